@@ -1,0 +1,166 @@
+"""Build a megatron-core GPTModel for prefill-only teacher scoring.
+
+`ModelSpec` is the architecture in plain numbers (what a Hugging Face config.json or a Megatron
+checkpoint describes); `build_model` turns it into a `TeacherGPTModel` on this rank's shard of the
+tensor-parallel layout. The model stops before the output layer: the teacher head
+(`consumer/head.py`) multiplies hidden states by the vocab-parallel output weight in row chunks,
+so no [tokens, vocab] logits tensor is ever materialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from consumer.attention import SdpaCoreAttention
+from consumer.parallel import ParallelLayout
+
+VOCAB_PAD_MULTIPLE = 128  # per TP rank, as Megatron's --make-vocab-size-divisible-by
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A dense decoder-only transformer (Llama / Qwen2 / Qwen3 family) in plain numbers."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    rope_scaling: dict | None = field(default=None, hash=False)
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head dimension."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary padded so every TP rank holds the same multiple of VOCAB_PAD_MULTIPLE."""
+        multiple = VOCAB_PAD_MULTIPLE * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+# The built-in preset used when TEACHERQ_MODEL__PATH is unset: tiny, random-init, fixed seed.
+TINY_SEED = 1234
+TINY = ModelSpec(
+    family="tiny",
+    vocab_size=1000,
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=128,
+    max_position_embeddings=4096,
+)
+
+
+class TeacherGPTModel(GPTModel):
+    """GPTModel whose forward returns final hidden states [s, b, h] instead of logits."""
+
+    def _postprocess(self, hidden_states, *args, **kwargs):  # megatron hook, see module doc
+        return hidden_states
+
+    def output_weight_shard(self) -> torch.Tensor:
+        """This rank's rows of the output projection, [padded_vocab / tp, hidden]."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+
+def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype) -> TransformerConfig:
+    """The megatron TransformerConfig for a spec, teacher-only (no dropout, no grads needed)."""
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        persist_layer_norm=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_model(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = TINY_SEED,
+) -> TeacherGPTModel:
+    """Build this rank's shard of the model in eval mode with gradients off.
+
+    Weights are random-initialised from `seed` (identically for any TP size, since megatron
+    initialises the full master weight on CPU and slices it); loaders overwrite them.
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    config = transformer_config(spec, tp=layout.tp, params_dtype=params_dtype)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    rope_kwargs = _rope_kwargs(spec)
+    with torch.device("cpu"):
+        model = TeacherGPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.padded_vocab_size(layout.tp),
+            max_sequence_length=spec.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta),
+            share_embeddings_and_output_weights=spec.tie_embeddings,
+            pre_process=True,
+            post_process=True,
+            **rope_kwargs,
+        )
+    model.requires_grad_(False)
+    return model.to(device=device).eval()
+
+
+def _rope_kwargs(spec: ModelSpec) -> dict:
+    scaling = spec.rope_scaling
+    if not scaling:
+        return {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+    if kind == "linear":
+        return {"seq_len_interpolation_factor": float(scaling["factor"])}
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'linear', or none"
+    )

@@ -1,0 +1,119 @@
+"""The consumer's parallel layout: the only module that calls megatron.core.parallel_state.
+
+A consumer process group of `world` ranks is split into data-parallel replicas of `tp * pp`
+ranks each. Within a replica the leader (tensor rank 0 of the first pipeline stage) is the only
+rank that talks to Redis; it broadcasts each batch to its peers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """The requested parallel layout cannot be formed; the message says why."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this process sits: global rank, its replica and its tensor-parallel group."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup | None
+    leader_rank: int  # global rank of this replica's leader
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the one rank of the replica that reads from and writes to Redis."""
+        return self.rank == self.leader_rank
+
+    def describe(self) -> str:
+        """Short human form, e.g. `tp2·pp1·dp1`."""
+        return f"tp{self.tp}·pp{self.pp}·dp{self.dp}"
+
+
+def check_layout(*, world_size: int, tp: int, pp: int) -> int:
+    """Validate degrees against the world size; return the data-parallel degree."""
+    if tp < 1 or pp < 1:
+        raise LayoutError(f"parallel degrees must be >= 1, got tp={tp} pp={pp}")
+    if pp != 1:
+        raise LayoutError(
+            f"pipeline parallelism (pp={pp}) is not supported by this consumer yet; use pp=1 "
+            "and tensor parallelism (TEACHERQ_PARALLEL__TP) to spread a model over GPUs"
+        )
+    if world_size % (tp * pp):
+        raise LayoutError(
+            f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp}; launch "
+            f"a multiple of {tp * pp} ranks (torchrun --nproc-per-node)"
+        )
+    return world_size // (tp * pp)
+
+
+def init_parallel(*, tp: int, pp: int, backend: str | None = None) -> ParallelLayout:
+    """Join (or create) the process group from torchrun's environment and form TP groups.
+
+    Without torchrun variables this process is a world of one on a free local port.
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    dp = check_layout(world_size=world_size, tp=tp, pp=pp)
+
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    leader = dist.get_global_rank(tp_group, 0) if tp > 1 else rank
+    return ParallelLayout(
+        world_size=world_size,
+        rank=rank,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        tp_group=tp_group if tp > 1 else None,
+        leader_rank=leader,
+    )
+
+
+def shutdown() -> None:
+    """Tear down megatron's groups and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
