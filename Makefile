@@ -1,0 +1,36 @@
+# teacherq: `make demo` runs the pipeline locally, `make test` runs the test suite.
+# Both set everything up on a fresh machine (a virtualenv in .venv) and are idempotent.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.teacherq-installed
+# A CPU machine must not pull a multi-GB CUDA build: pin the torch wheel (on our CI machines
+# torch 2.13.0 CPU lies on local disk). On a GPU host, install your CUDA torch first.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint setup clean checkpoint
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/teacherq demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .teacherq .pytest_cache

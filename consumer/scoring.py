@@ -1,0 +1,117 @@
+"""Score one micro-batch: a packed prefill forward, then the teacher head on every job's rows.
+
+One forward serves every output any job of the batch asked for: the head runs once with the
+batch's largest top-k and sample count and its widest label set, and each job keeps its own
+slice (a top-k prefix is the smaller top-k; sample j is keyed by j, so a prefix of the samples
+is exactly what a smaller sample_n would draw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from consumer import tp_ops
+from consumer.attention import DocumentBounds
+from consumer.batching import BatchTensors
+from consumer.model import ModelSpec, TeacherGPTModel
+from consumer.parallel import ParallelLayout
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A model shard plus what the head needs to know about its vocabulary slice."""
+
+    model: TeacherGPTModel
+    spec: ModelSpec
+    layout: ParallelLayout
+    device: torch.device
+    chunk_rows: int = 1024
+
+    @property
+    def shard(self) -> tp_ops.VocabShard:
+        """This rank's columns of the padded vocabulary."""
+        padded = self.spec.padded_vocab_size(self.layout.tp)
+        per_rank = padded // self.layout.tp
+        return tp_ops.VocabShard(
+            start=self.layout.tp_rank * per_rank, size=per_rank, vocab_size=self.spec.vocab_size
+        )
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: BatchTensors) -> torch.Tensor:
+        """Final hidden states [T, H] of the packed batch (documents attend only to
+        themselves, positions restart at 0 in each)."""
+        lengths = batch.lengths_J.tolist()
+        ids = batch.input_ids_T.to(self.device, non_blocking=True)
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(self.device, non_blocking=True)
+        packed = DocumentBounds.from_lengths(lengths, self.device) if len(lengths) > 1 else None
+        hidden = self.model(ids[None], pos[None], attention_mask=None, packed_seq_params=packed)
+        return hidden.reshape(ids.shape[0], -1)
+
+    @torch.inference_mode()
+    def score(self, batch: BatchTensors) -> list[dict[str, np.ndarray]]:
+        """Every requested output for every job of the batch, as numpy arrays per job."""
+        hidden_TH = self.hidden_states(batch)
+        lengths = batch.lengths_J.tolist()
+        # Scored rows: every position but each job's last; row r predicts token r + 1.
+        keep = torch.ones(batch.num_tokens, dtype=torch.bool)
+        ends = torch.tensor(lengths).cumsum(0) - 1
+        keep[ends] = False
+        next_ids_R = torch.roll(batch.input_ids_T, -1)[keep]
+        targets_RW = torch.cat([next_ids_R[:, None], batch.labels_RW], dim=1)
+
+        job_of_R = torch.repeat_interleave(torch.arange(batch.num_jobs), batch.lengths_J - 1)
+        position_R = torch.cat([torch.arange(1, n) for n in lengths])
+        out = tp_ops.chunked_head(
+            hidden_TH=hidden_TH[keep.to(hidden_TH.device)],
+            weight_VH=self.model.output_weight_shard(),
+            shard=self.shard,
+            tp_group=self.layout.tp_group,
+            target_ids_TW=targets_RW.to(self.device),
+            inv_temperature_T=(1.0 / batch.temperature_J)[job_of_R].float().to(self.device),
+            top_k=int(batch.top_k_J.max()),
+            sample_n=int(batch.sample_n_J.max()),
+            seed_T=batch.seed_J[job_of_R].to(self.device),
+            position_T=position_R.to(self.device),
+            want_entropy=bool(batch.entropy_J.any()),
+            chunk_rows=self.chunk_rows,
+        )
+        return _split_per_job(out, batch)
+
+
+def _split_per_job(out: tp_ops.HeadOutputs, batch: BatchTensors) -> list[dict[str, np.ndarray]]:
+    def host(t: torch.Tensor | None) -> np.ndarray | None:
+        return None if t is None else t.detach().cpu().numpy()
+
+    targets = host(out.target_logprobs_TW)
+    topk_ids, topk_lp = host(out.topk_ids_TK), host(out.topk_logprobs_TK)
+    rest = host(out.topk_rest_logprob_T)
+    samp_ids, samp_lp = host(out.sample_ids_TN), host(out.sample_logprobs_TN)
+    entropy = host(out.entropy_T)
+    results = []
+    start = 0
+    for j in range(batch.num_jobs):
+        rows = slice(start, start + int(batch.lengths_J[j]) - 1)
+        start = rows.stop
+        w, k, n = (int(batch.label_width_J[j]), int(batch.top_k_J[j]), int(batch.sample_n_J[j]))
+        job: dict[str, np.ndarray] = {"logprobs": targets[rows, 0].copy()}
+        if w:
+            job["label_logprobs"] = targets[rows, 1 : 1 + w].copy()
+        if k:
+            job["topk_token_ids"] = topk_ids[rows, :k].copy()
+            job["topk_logprobs"] = topk_lp[rows, :k].copy()
+            # The batch may have run a larger K: this job's rest mass also holds ranks k..K.
+            extra = topk_lp[rows, k:].astype(np.float64)
+            rest_k = np.logaddexp.reduce(
+                np.concatenate([rest[rows, None].astype(np.float64), extra], axis=1), axis=1
+            )
+            job["topk_rest_logprob"] = rest_k.astype(np.float32)
+        if n:
+            job["sampled_token_ids"] = samp_ids[rows, :n].copy()
+            job["sampled_logprobs"] = samp_lp[rows, :n].copy()
+        if int(batch.entropy_J[j]):
+            job["entropy"] = entropy[rows].copy()
+        results.append(job)
+    return results

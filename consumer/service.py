@@ -1,0 +1,99 @@
+"""Build a consumer from settings and run it: the body of `python -m consumer`."""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from consumer import cpu_compat
+from consumer.batching import batch_from_jobs
+from consumer.model import TINY, build_model
+from consumer.parallel import ParallelLayout, init_parallel, shutdown
+from consumer.scoring import Scorer
+from consumer.worker import Leader, StopFlag, follow
+from shared.messages import Job, TeacherRequest
+from shared.settings import Settings
+
+log = structlog.get_logger("teacherq.consumer")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(setting: str) -> torch.device:
+    """The device this rank computes on."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def build_scorer(settings: Settings, layout: ParallelLayout) -> tuple[Scorer, str]:
+    """Load the configured teacher on this rank; returns the scorer and the model version."""
+    device = pick_device(settings.consumer.device)
+    dtype = _DTYPES[settings.model.dtype]
+    path = settings.model.path
+    if path is None:
+        spec = TINY
+        model = build_model(
+            spec, layout, params_dtype=dtype, device=device, seed=settings.model.seed
+        )
+        version = f"tiny-random-seed{settings.model.seed}"
+    else:
+        from consumer.checkpoints import load_teacher
+
+        model, spec, version = load_teacher(path, layout, params_dtype=dtype, device=device)
+    scorer = Scorer(
+        model=model,
+        spec=spec,
+        layout=layout,
+        device=device,
+        chunk_rows=settings.consumer.head_chunk_rows,
+    )
+    return scorer, version
+
+
+def warmup(scorer: Scorer) -> None:
+    """One small forward on every rank so the first real batch pays no allocation cost."""
+    req = TeacherRequest(input_ids=[0, 1, 2, 3], top_k=1, sample_n=1, return_entropy=True)
+    scorer.score(
+        batch_from_jobs([Job(job_id="warmup", entry_id="0-0", request=req, submitted_at=0)])
+    )
+
+
+def run(settings: Settings) -> int:
+    """Serve the queue until stopped; returns the process exit code."""
+    cpu_compat.apply()
+    stop = StopFlag()
+    stop.install()
+    layout = init_parallel(tp=settings.parallel.tp, pp=settings.parallel.pp)
+    structlog.contextvars.bind_contextvars(
+        rank=layout.rank, tp_rank=layout.tp_rank, dp_rank=layout.dp_rank
+    )
+    try:
+        scorer, version = build_scorer(settings, layout)
+        warmup(scorer)
+        if not layout.is_leader:
+            follow(scorer)
+            return 0
+        from shared.redis_server import connect
+        from shared.storage import ObjectStore
+
+        st = settings.storage
+        store = ObjectStore.from_url(
+            st.url,
+            endpoint=st.endpoint,
+            region=st.region,
+            access_key_id=st.access_key_id,
+            secret_access_key=st.secret_access_key,
+        )
+        leader = Leader(
+            settings=settings,
+            scorer=scorer,
+            client=connect(settings.redis),
+            store=store,
+            model_version=version,
+            stop=stop,
+        )
+        leader.run()
+        return 0
+    finally:
+        shutdown()

@@ -1,0 +1,218 @@
+"""The `teacherq` command line: a thin layer over TeacherClient and the services."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from shared.settings import Settings, SettingsError, load_settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+out = Console()
+err = Console(stderr=True)
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _setup_logging(settings: Settings) -> None:
+    from shared.log import configure_logging
+
+    configure_logging(level=settings.log.level, fmt=settings.log.format)
+
+
+def _client(settings: Settings):
+    from producer.client import TeacherClient
+
+    return TeacherClient(settings)
+
+
+def _tty() -> bool:
+    return sys.stdout.isatty()
+
+
+@app.command()
+def demo(jobs: int = typer.Option(40, help="Number of random jobs to submit.")) -> None:
+    """Run the whole pipeline locally: embedded Redis, one consumer, a few dozen jobs."""
+    from producer.demo import run_demo
+
+    settings = _settings()
+    _setup_logging(
+        settings.model_copy(update={"log": settings.log.model_copy(update={"level": "warning"})})
+    )
+    report = run_demo(settings, jobs=jobs)
+    table = Table(title="teacherq demo", show_header=False)
+    table.add_row("jobs", f"{report.jobs} ({report.failed} failed)")
+    table.add_row("tokens", str(report.tokens))
+    table.add_row("tokens/s (end to end)", f"{report.tokens_per_s:,.0f}")
+    table.add_row("model", report.model_version)
+    table.add_row("redis", report.redis_url)
+    table.add_row("results", f"Redis + {report.storage_url}")
+    table.add_row("try", f"teacherq results {report.sample_job} --json")
+    out.print(table)
+    if report.failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="JSONL file, one TeacherRequest per line.")],
+    wait: bool = typer.Option(False, "--wait", help="Wait for the results."),
+    timeout: float = typer.Option(None, help="With --wait: give up after this many seconds."),
+) -> None:
+    """Enqueue requests from a JSONL file; prints one job id per line."""
+    settings = _settings()
+    _setup_logging(settings)
+    requests = []
+    with file.open() as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                requests.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                err.print(f"[red]{file}:{n}: not valid JSON: {exc}[/red]")
+                raise typer.Exit(2) from None
+    from shared.errors import InvalidJob
+
+    client = _client(settings)
+    try:
+        ids = client.submit(requests)
+    except InvalidJob as exc:
+        err.print(f"[red]invalid request: {exc}[/red]")
+        raise typer.Exit(2) from None
+    for job_id in ids:
+        typer.echo(job_id)
+    if wait:
+        results = client.wait(ids, timeout=timeout)
+        failed = [r for r in results if not r.ok]
+        err.print(f"{len(results) - len(failed)} done, {len(failed)} failed")
+        if failed:
+            raise typer.Exit(1)
+
+
+@app.command()
+def results(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids.")],
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    wait: bool = typer.Option(False, "--wait", help="Block until the jobs finish."),
+    timeout: float = typer.Option(None, help="With --wait: give up after this many seconds."),
+) -> None:
+    """Print the results of jobs (not-finished jobs are reported as pending)."""
+    settings = _settings()
+    _setup_logging(settings)
+    client = _client(settings)
+    found = client.wait(job_ids, timeout=timeout) if wait else client.results(job_ids)
+    missing = 0
+    for job_id, res in zip(job_ids, found, strict=True):
+        if res is None:
+            missing += 1
+            if as_json or not _tty():
+                typer.echo(json.dumps({"job_id": job_id, "status": "pending"}))
+            else:
+                out.print(f"[yellow]{job_id}: pending[/yellow]")
+            continue
+        if as_json or not _tty():
+            typer.echo(json.dumps(res.to_json()))
+            continue
+        table = Table(title=f"{job_id} ({'ok' if res.ok else 'FAILED'})", show_header=False)
+        table.add_row("model", res.model_version)
+        if res.error:
+            table.add_row("error", res.error)
+        for name, arr in res.arrays().items():
+            preview = ", ".join(f"{x:.4g}" for x in arr.reshape(-1)[:6])
+            table.add_row(
+                name, f"{list(arr.shape)} {arr.dtype}: [{preview}{', ...' if arr.size > 6 else ''}]"
+            )
+        out.print(table)
+    if missing:
+        raise typer.Exit(3)
+
+
+@app.command()
+def cancel(job_ids: Annotated[list[str], typer.Argument(help="Job ids to cancel.")]) -> None:
+    """Cancel jobs: not computed if not started; a result they already have is dropped."""
+    settings = _settings()
+    client = _client(settings)
+    for job_id in job_ids:
+        client.cancel(job_id)
+        typer.echo(f"cancelled {job_id}")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+    """Queue depth, pending entries, dead letters and consumers of the queue."""
+    settings = _settings()
+    client = _client(settings)
+    snap = client.status()
+    if as_json or not _tty():
+        typer.echo(json.dumps(snap))
+        return
+    table = Table(title=f"queue {snap['queue']}")
+    for k in ("jobs_in_stream", "lag", "pending", "dead_letters", "results_announced"):
+        table.add_row(k, str(snap[k]))
+    out.print(table)
+    ct = Table(title="consumers")
+    for col in ("name", "state", "model_version", "layout", "jobs_done", "heartbeat_age_s"):
+        ct.add_column(col)
+    for name, c in snap["consumers"].items():
+        ct.add_row(
+            name,
+            c["state"],
+            c["model_version"],
+            c["layout"],
+            str(c["jobs_done"]),
+            f"{c['heartbeat_age_s']:.1f}",
+        )
+    out.print(ct)
+
+
+@app.command()
+def consumer() -> None:
+    """Run a consumer in this process (same as `python -m consumer`)."""
+    from consumer.__main__ import main
+
+    raise typer.Exit(main())
+
+
+@app.command("redis")
+def redis_cmd(
+    action: Annotated[str, typer.Argument(help="start | stop | url")] = "start",
+) -> None:
+    """Manage the embedded valkey-server under ./.teacherq/ (start prints its URL)."""
+    from shared.redis_server import ensure_embedded, stop_embedded
+
+    settings = _settings()
+    home = Path(settings.redis.home)
+    if action in ("start", "url"):
+        url, started = ensure_embedded(home)
+        typer.echo(url)
+        if started:
+            err.print(f"started embedded valkey-server in {home.resolve()} (AOF on)")
+    elif action == "stop":
+        typer.echo("stopped" if stop_embedded(home) else "not running")
+    else:
+        err.print(f"[red]unknown action {action!r}; expected start, stop or url[/red]")
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Contracts both sides of teacherq use: settings, messages, keys, codec, storage, logging."""

@@ -1,0 +1,58 @@
+"""Every Redis name teacherq uses, in one place.
+
+All keys of a queue carry the hash tag `{<queue>}` so they share one Redis Cluster slot and
+multi-key operations (MULTI/EXEC, Lua) stay legal. The three stream names are public interface
+(DESIGN.md); the rest are this code's choice.
+"""
+
+from __future__ import annotations
+
+PREFIX = "teacherq"
+
+# Stream entry field names.
+FIELD_PAYLOAD = "payload"  # the JSON-encoded TeacherRequest envelope (arrays as base64 codec)
+FIELD_JOB_ID = "job_id"
+
+
+def _q(queue: str) -> str:
+    return f"{PREFIX}:{{{queue}}}"
+
+
+def jobs_stream(queue: str) -> str:
+    """Stream of submitted jobs, read by the consumer group."""
+    return f"{_q(queue)}:jobs"
+
+
+def done_stream(queue: str) -> str:
+    """Stream of completion notices (job_id, status), read by waiting clients."""
+    return f"{_q(queue)}:done"
+
+
+def dead_stream(queue: str) -> str:
+    """Dead-letter stream: jobs that failed for good, with reason and history."""
+    return f"{_q(queue)}:dead"
+
+
+def result_key(queue: str, job_id: str) -> str:
+    """Hash holding one job's result record (inline arrays or object pointers)."""
+    return f"{_q(queue)}:result:{job_id}"
+
+
+def submitted_key(queue: str, job_id: str) -> str:
+    """Marker set once per job id at submit (SET NX): makes resubmission a no-op."""
+    return f"{_q(queue)}:submitted:{job_id}"
+
+
+def consumers_key(queue: str) -> str:
+    """Hash consumer name -> JSON heartbeat record (state, layout, model version, time)."""
+    return f"{_q(queue)}:consumers"
+
+
+def model_key(queue: str) -> str:
+    """Hash describing the model the consumers serve (vocab size, version)."""
+    return f"{_q(queue)}:model"
+
+
+# TTLs and limits.
+SUBMITTED_TTL_S = 7 * 24 * 3600
+DONE_STREAM_MAXLEN = 100_000  # completion notices are advisory: results live in result_key

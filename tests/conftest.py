@@ -1,0 +1,109 @@
+"""Shared fixtures: a throwaway valkey-server per session, per-test queues and settings, and
+consumer processes started for real (`python -m consumer`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared.redis_server import free_port, server_args, wait_ready
+from shared.settings import Settings, to_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real valkey-server on a free loopback port in a temp dir, for the whole session."""
+    data = tmp_path_factory.mktemp("valkey")
+    port = free_port()
+    proc = subprocess.Popen(server_args(data_dir=data, port=port, daemonize=False))
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_ready(url)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    """A client of the session server."""
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> Settings:
+    """Settings for one test: its own queue name and object store directory."""
+    return Settings(
+        redis={"url": redis_url, "home": str(tmp_path / "home")},
+        queue={"name": f"t{uuid.uuid4().hex[:10]}"},
+        storage={"url": f"file://{tmp_path / 'objects'}"},
+        consumer={"block_ms": 200},
+        log={"format": "json"},
+    )
+
+
+ConsumerFactory = Callable[..., subprocess.Popen]
+
+
+@pytest.fixture
+def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
+    """Start real consumer processes for given settings; stops them at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(
+        settings: Settings, *, extra_env: dict[str, str] | None = None, wait: bool = True
+    ) -> subprocess.Popen:
+        env = {**os.environ, **to_env(settings), **(extra_env or {}), "PYTHONPATH": str(REPO)}
+        log = open(tmp_path / f"consumer-{len(procs)}.log", "w")  # noqa: SIM115 - kept open for the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "consumer"],
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        proc.log_path = Path(log.name)  # type: ignore[attr-defined]  # for failure messages
+        procs.append(proc)
+        if wait:
+            wait_for_consumers(settings, count=1, proc=proc)
+        return proc
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def wait_for_consumers(settings: Settings, *, count: int, proc=None, timeout: float = 120) -> None:
+    """Block until `count` consumers of the queue report ready (poll: start-up only)."""
+    from producer.client import TeacherClient
+
+    client = TeacherClient(settings)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [c for c in client.consumers().values() if c.get("state") in ("ready", "busy")]
+        if len(ready) >= count:
+            return
+        if proc is not None and proc.poll() is not None:
+            log = proc.log_path.read_text()[-3000:]
+            raise RuntimeError(f"consumer exited with {proc.returncode}:\n{log}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(ready)} of {count} consumers ready")
+        time.sleep(0.1)

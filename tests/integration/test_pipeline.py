@@ -1,0 +1,248 @@
+"""End to end on a real valkey-server with real consumer processes: submit -> consume ->
+results, idempotency, validation, dead letters, object storage, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from producer import InvalidJob, TeacherClient, TeacherRequest
+from shared import keys
+from shared.codec import encode_array
+from tests.conftest import REPO
+from tests.reference import tiny_full_log_softmax
+
+pytestmark = pytest.mark.integration
+VOCAB = 1000  # the tiny preset's
+
+
+def _requests(rng: np.random.Generator, n: int) -> list[TeacherRequest]:
+    reqs = []
+    for i in range(n):
+        length = int(rng.integers(5, 60))
+        ids = rng.integers(0, VOCAB, size=length)
+        reqs.append(
+            TeacherRequest(
+                input_ids=ids,
+                label_token_ids=rng.integers(0, VOCAB, size=(length - 1, 3)) if i % 2 else None,
+                top_k=5 if i % 3 == 0 else 0,
+                sample_n=2 if i % 4 == 0 else 0,
+                return_entropy=i % 2 == 0,
+                temperature=[1.0, 0.7, 1.5][i % 3],
+                seed=i,
+                metadata={"i": i},
+            )
+        )
+    return reqs
+
+
+def test_submit_consume_results_match_full_vocab_reference(settings, start_consumer) -> None:
+    start_consumer(settings)
+    client = TeacherClient(settings)
+    reqs = _requests(np.random.default_rng(0), 8)
+    ids = client.submit(reqs)
+    assert len(set(ids)) == 8
+    results = client.wait(ids, timeout=120)
+    for req, res in zip(reqs, results, strict=True):
+        assert res.ok, res.error
+        assert res.model_version == "tiny-random-seed1234"
+        assert res.metadata == req.metadata
+        ref = tiny_full_log_softmax(req.input_ids, req.temperature)
+        rows = np.arange(req.num_tokens - 1)
+        np.testing.assert_allclose(res.logprobs, ref[rows, req.input_ids[1:]], atol=2e-4)
+        if req.label_token_ids is not None:
+            want = np.take_along_axis(ref, req.label_token_ids, axis=1)
+            np.testing.assert_allclose(res.label_logprobs, want, atol=2e-4)
+        else:
+            assert res.label_logprobs is None
+        if req.top_k:
+            order = np.argsort(-ref, axis=1)[:, : req.top_k]
+            np.testing.assert_allclose(
+                res.topk_logprobs, np.take_along_axis(ref, order, axis=1), atol=2e-4
+            )
+            np.testing.assert_allclose(
+                res.topk_logprobs, np.take_along_axis(ref, res.topk_token_ids, axis=1), atol=2e-4
+            )
+        else:
+            assert res.topk_token_ids is None
+        if req.sample_n:
+            assert res.sampled_token_ids.shape == (req.num_tokens - 1, req.sample_n)
+            np.testing.assert_allclose(
+                res.sampled_logprobs,
+                np.take_along_axis(ref, res.sampled_token_ids, axis=1),
+                atol=2e-4,
+            )
+        if req.return_entropy:
+            want = -(np.exp(ref) * ref).sum(axis=1)
+            np.testing.assert_allclose(res.entropy, want, atol=2e-4)
+        else:
+            assert res.entropy is None
+
+
+def test_resubmitting_a_job_id_computes_it_once(settings, start_consumer, r) -> None:
+    client = TeacherClient(settings)
+    req = TeacherRequest(input_ids=[1, 2, 3, 4], job_id="same-job")
+    auto = TeacherRequest(input_ids=[5, 6, 7])
+    first = client.submit([req, auto])
+    second = client.submit([req, TeacherRequest(input_ids=[5, 6, 7])])
+    assert first == second == ["same-job", first[1]]
+    assert r.xlen(keys.jobs_stream(settings.queue.name)) == 2  # no duplicate entries
+    start_consumer(settings)
+    client.wait(first, timeout=60)
+    done = r.xrange(keys.done_stream(settings.queue.name))
+    assert sorted(f[b"job_id"].decode() for _, f in done) == sorted(first)
+
+
+def test_duplicate_entries_for_one_job_id_compute_once(settings, start_consumer, r) -> None:
+    """Entries written twice (e.g. a retried XADD) are computed at most once."""
+    from shared.messages import encode_job
+
+    req = TeacherRequest(input_ids=[9, 8, 7, 6])
+    fields = encode_job(req, job_id="dup")
+    stream = keys.jobs_stream(settings.queue.name)
+    client = TeacherClient(settings)
+    client.streams.ensure_group()
+    r.xadd(stream, fields)
+    r.xadd(stream, fields)
+    start_consumer(settings)
+    [res] = client.wait(["dup"], timeout=60)
+    assert res.ok
+    done = [f for _, f in r.xrange(keys.done_stream(settings.queue.name))]
+    assert [f[b"job_id"] for f in done] == [b"dup"]
+    group = r.xinfo_groups(stream)[0]
+    assert group["pending"] == 0
+
+
+def test_invalid_requests_are_refused_at_submit(settings, r) -> None:
+    client = TeacherClient(settings)
+    with pytest.raises(InvalidJob, match=r"request 1: .*input_ids is empty"):
+        client.submit([{"input_ids": [1, 2]}, {"input_ids": []}])
+    too_long = list(range(settings.queue.max_input_tokens + 1))
+    with pytest.raises(InvalidJob, match="8193 tokens; the maximum is 8192"):
+        client.submit([{"input_ids": too_long}])
+    assert r.exists(keys.jobs_stream(settings.queue.name)) == 0  # nothing enqueued
+
+
+def test_vocabulary_advertised_by_consumers_is_checked(settings, start_consumer) -> None:
+    start_consumer(settings)
+    client = TeacherClient(settings)
+    with pytest.raises(InvalidJob, match=r"input_ids\[1\] = 1000 is outside the vocabulary"):
+        client.submit([{"input_ids": [1, VOCAB]}])
+
+
+def test_bad_stream_entries_are_dead_lettered_and_good_jobs_flow(
+    settings, start_consumer, r
+) -> None:
+    client = TeacherClient(settings)
+    client.streams.ensure_group()
+    stream = keys.jobs_stream(settings.queue.name)
+    r.xadd(stream, {"v": "1", "job_id": "no-ids", "meta": "{}"})
+    r.xadd(
+        stream,
+        {
+            "v": "1",
+            "job_id": "truncated",
+            "meta": "{}",
+            "input_ids": encode_array(np.arange(10, dtype=np.int32))[:-5],
+        },
+    )
+    r.xadd(
+        stream,
+        {
+            "v": "1",
+            "job_id": "oov",
+            "meta": "{}",
+            "input_ids": encode_array(np.array([1, 5000], dtype=np.int32)),
+        },
+    )
+    r.xadd(stream, {"garbage": b"\x00\xff"})
+    good = client.submit([TeacherRequest(input_ids=[1, 2, 3])])
+    start_consumer(settings)
+    results = client.wait(["no-ids", "truncated", "oov", *good], timeout=60)
+    assert "no 'input_ids' field" in results[0].error
+    assert "truncated" in results[1].error or "bytes" in results[1].error
+    assert "outside the vocabulary [0, 1000)" in results[2].error
+    assert results[3].ok
+    dead = r.xrange(keys.dead_stream(settings.queue.name))
+    assert len(dead) == 4
+    by_job = {f[b"job_id"].decode(): f for _, f in dead}
+    assert by_job["oov"][b"exception"] == b"InvalidJob"
+    assert by_job["oov"][b"orig:input_ids"] == encode_array(np.array([1, 5000], dtype=np.int32))
+    assert r.xinfo_groups(stream)[0]["pending"] == 0
+
+
+def test_large_results_go_to_object_storage(settings, start_consumer, tmp_path) -> None:
+    s = settings.model_copy(
+        update={"queue": settings.queue.model_copy(update={"inline_max_bytes": 0})}
+    )
+    start_consumer(s)
+    client = TeacherClient(s)
+    [job] = client.submit([TeacherRequest(input_ids=list(range(50)), top_k=16)])
+    [res] = client.wait([job], timeout=60)
+    assert res.ok and res.topk_logprobs.shape == (49, 16)
+    files = list((tmp_path / "objects").rglob("*"))
+    assert any(f.is_file() for f in files), "bulk arrays should be in the file store"
+    ref = tiny_full_log_softmax(np.arange(50))
+    np.testing.assert_allclose(res.logprobs, ref[np.arange(49), np.arange(1, 50)], atol=2e-4)
+
+
+def test_cancel_before_start_is_not_computed(settings, start_consumer) -> None:
+    client = TeacherClient(settings)
+    [job] = client.submit([TeacherRequest(input_ids=[4, 5, 6])])
+    client.cancel(job)
+    start_consumer(settings)
+    [res] = client.wait([job], timeout=30)
+    assert res.error == "cancelled by the user"
+
+
+def _cli(settings, *args: str, **kw) -> subprocess.CompletedProcess:
+    import os
+
+    from shared.settings import to_env
+
+    env = {**os.environ, **to_env(settings)}
+    return subprocess.run(
+        [sys.executable, "-m", "producer.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
+
+
+def test_cli_submit_and_results(settings, start_consumer, tmp_path) -> None:
+    start_consumer(settings)
+    jsonl = tmp_path / "jobs.jsonl"
+    jsonl.write_text(
+        json.dumps({"input_ids": [1, 2, 3, 4], "top_k": 2})
+        + "\n\n"
+        + json.dumps({"input_ids": [7, 8, 9], "job_id": "cli-2"})
+        + "\n"
+    )
+    sub = _cli(settings, "submit", str(jsonl), "--wait")
+    assert sub.returncode == 0, sub.stderr
+    ids = sub.stdout.split()
+    assert len(ids) == 2 and ids[1] == "cli-2"
+    res = _cli(settings, "results", *ids, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [row["job_id"] for row in rows] == ids
+    assert len(rows[0]["logprobs"]) == 3 and len(rows[0]["topk_token_ids"][0]) == 2
+    ref = tiny_full_log_softmax(np.array([7, 8, 9]))
+    np.testing.assert_allclose(rows[1]["logprobs"], ref[[0, 1], [8, 9]], atol=2e-4)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, 2], "temperature": 0}) + "\n")
+    out = _cli(settings, "submit", str(bad))
+    assert out.returncode == 2 and "temperature must be a finite number > 0" in out.stderr
+
+    status = _cli(settings, "status", "--json")
+    snap = json.loads(status.stdout)
+    assert snap["queue"] == settings.queue.name and snap["pending"] == 0
+    assert any(c["state"] in ("ready", "busy") for c in snap["consumers"].values())
