@@ -66,14 +66,18 @@ def init_parallel(*, tp: int, pp: int, backend: str | None = None) -> ParallelLa
     Without torchrun variables this process is a world of one on a free local port.
     """
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        if "RANK" in os.environ:  # launched by torchrun: its env:// rendezvous
+            dist.init_process_group(backend=backend)
+        else:  # a world of one; the environment stays untouched for child processes
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+            )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     dp = check_layout(world_size=world_size, tp=tp, pp=pp)
 

@@ -239,19 +239,22 @@ class Leader:
             self._score_and_store(group, batch_id=batch_id, claimed_at=claimed_at)
 
     def _skip_finished(self, jobs: list[Job]) -> list[Job]:
-        """Acknowledge, without computing, jobs that already have a result record."""
+        """Acknowledge, without computing, jobs that already have a result record or that
+        appear twice in this read (a retried XADD); the first entry of a job id computes it."""
         if not jobs:
             return jobs
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
             pipe.exists(keys.result_key(self.queue, job.job_id))
         todo = []
+        seen: set[str] = set()
         for job, exists in zip(jobs, pipe.execute(), strict=True):
-            if exists:
+            if exists or job.job_id in seen:
                 self.r.xack(self.streams.jobs, self.streams.group, job.entry_id)
                 self.counters.duplicates_skipped += 1
                 log.info("job.duplicate_skipped", job_id=job.job_id)
             else:
+                seen.add(job.job_id)
                 todo.append(job)
         return todo
 

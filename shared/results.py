@@ -22,7 +22,7 @@ from safetensors.numpy import save as st_save
 
 from shared.codec import decode_array, encode_array
 from shared.messages import RESULT_ARRAYS, TeacherResult
-from shared.storage import ObjectStore
+from shared.storage import ObjectStore, compute_checksum
 from shared.storage import result_key as object_key
 
 RECORD_VERSION = "1"
@@ -56,7 +56,10 @@ def encode_record(
     total = sum(a.nbytes for a in arrays.values())
     if arrays and store is not None and total > inline_max_bytes:
         blob = st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()})
-        key = object_key(queue, result.job_id)
+        # Content-addressed: a recomputation that differs in the last bit (another batch
+        # composition) writes its own object, so a record never points at another's bytes.
+        digest = compute_checksum(blob)
+        key = f"{object_key(queue, result.job_id)}.{digest.split(':')[-1][:16]}"
         checksum = store.put_with_retry(key, blob)
         meta["object"] = {"key": key, "checksum": checksum, "bytes": len(blob)}
     else:

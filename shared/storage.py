@@ -164,6 +164,20 @@ def _is_transient(exc: BaseException) -> bool:
     return kind is not None and kind.group(1) in _TRANSIENT_HTTP_KINDS
 
 
+_ABORT_RE: Final = re.compile(r"method: DELETE,\s*uri: Some\(\s*\S+[?&]uploadId=")
+
+
+def _is_lost_multipart_abort(exc: BaseException) -> bool:
+    """Whether a put failed in obstore's abort of its own multipart upload with a 404.
+
+    When the response to CompleteMultipartUpload is lost, the object exists but obstore still
+    aborts the upload; S3 answers NoSuchUpload and obstore raises that 404 in place of the
+    original connection error, which would otherwise read as "bucket missing".
+    """
+    text = str(exc)
+    return "NoSuchUpload" in text or _ABORT_RE.search(text) is not None
+
+
 def _summary(exc: BaseException) -> str:
     """First line of an obstore error: the rest is a multi-line Rust debug dump."""
     text = str(exc).split("\n\nDebug source:", 1)[0].strip()
@@ -335,6 +349,11 @@ class ObjectStore:
     def _error(self, exc: Exception, op: str, key: str) -> StorageError:
         where = self.url_for(key)
         if isinstance(exc, FileNotFoundError):
+            if op == "put" and _is_lost_multipart_abort(exc):
+                return TransientStorageError(
+                    f"put {where}: multipart upload failed and aborting it found no upload (it "
+                    f"may have completed); outcome unknown, safe to retry: {_summary(exc)}"
+                )
             # S3 answers 404 for a missing bucket too; on put that is the only possible cause.
             if op == "put" or "NoSuchBucket" in str(exc):
                 return StorageError(f"{op} {where}: bucket or root does not exist: {_summary(exc)}")

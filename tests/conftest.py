@@ -63,12 +63,27 @@ def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
     procs: list[subprocess.Popen] = []
 
     def start(
-        settings: Settings, *, extra_env: dict[str, str] | None = None, wait: bool = True
+        settings: Settings,
+        *,
+        extra_env: dict[str, str] | None = None,
+        wait: bool = True,
+        nproc: int = 1,
     ) -> subprocess.Popen:
         env = {**os.environ, **to_env(settings), **(extra_env or {}), "PYTHONPATH": str(REPO)}
         log = open(tmp_path / f"consumer-{len(procs)}.log", "w")  # noqa: SIM115 - kept open for the process
+        cmd = [sys.executable, "-m", "consumer"]
+        if nproc > 1:  # one replica of nproc ranks, as a user launches it
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                "-m",
+                "consumer",
+            ]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "consumer"],
+            cmd,
             env=env,
             cwd=tmp_path,
             stdout=log,

@@ -108,9 +108,11 @@ def test_duplicate_entries_for_one_job_id_compute_once(settings, start_consumer,
     client.streams.ensure_group()
     r.xadd(stream, fields)
     r.xadd(stream, fields)
-    start_consumer(settings)
+    proc = start_consumer(settings)
     [res] = client.wait(["dup"], timeout=60)
     assert res.ok
+    log = proc.log_path.read_text()
+    assert log.count('"job.duplicate_skipped"') == 1, log[-2000:]
     done = [f for _, f in r.xrange(keys.done_stream(settings.queue.name))]
     assert [f[b"job_id"] for f in done] == [b"dup"]
     group = r.xinfo_groups(stream)[0]
