@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The demo serves a small random-init Qwen2-family Hugging Face checkpoint written locally
+# (nothing is downloaded); set TEACHERQ_MODEL__PATH to serve your own instead.
+DEMO_CKPT := .teacherq/demo-qwen2
+
 demo: $(STAMP)
-	$(VENV)/bin/teacherq demo
+	test -f $(DEMO_CKPT)/config.json || $(PY) scripts/make_checkpoint.py --family qwen2 --out $(DEMO_CKPT)
+	TEACHERQ_MODEL__PATH=$${TEACHERQ_MODEL__PATH:-$(DEMO_CKPT)} $(VENV)/bin/teacherq demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

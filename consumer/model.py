@@ -80,7 +80,9 @@ class TeacherGPTModel(GPTModel):
         return self.output_layer.weight
 
 
-def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(
+    spec: ModelSpec, *, tp: int, params_dtype: torch.dtype, init_weights: bool = True
+) -> TransformerConfig:
     """The megatron TransformerConfig for a spec, teacher-only (no dropout, no grads needed)."""
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -103,7 +105,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype) -
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
-        perform_initialization=True,
+        perform_initialization=init_weights,
         persist_layer_norm=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -120,18 +122,23 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = TINY_SEED,
+    init_weights: bool = True,
 ) -> TeacherGPTModel:
     """Build this rank's shard of the model in eval mode with gradients off.
 
     Weights are random-initialised from `seed` (identically for any TP size, since megatron
-    initialises the full master weight on CPU and slices it); loaders overwrite them.
+    initialises the full master weight on CPU and slices it). Checkpoint loaders pass
+    `init_weights=False`: the parameters are then zero-filled instead of drawn, which for a
+    multi-billion-parameter model saves minutes of CPU time before every weight is overwritten.
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(spec, tp=layout.tp, params_dtype=params_dtype)
+    config = transformer_config(
+        spec, tp=layout.tp, params_dtype=params_dtype, init_weights=init_weights
+    )
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     rope_kwargs = _rope_kwargs(spec)
@@ -149,6 +156,9 @@ def build_model(
             **rope_kwargs,
         )
     model.requires_grad_(False)
+    if not init_weights:  # defined contents (zeros) for anything a loader leaves, e.g. padding
+        for p in model.parameters():
+            p.zero_()
     return model.to(device=device).eval()
 
 

@@ -64,24 +64,47 @@ class Scorer:
 
         job_of_R = torch.repeat_interleave(torch.arange(batch.num_jobs), batch.lengths_J - 1)
         position_R = torch.cat([torch.arange(1, n) for n in lengths])
-        out = tp_ops.chunked_head(
-            hidden_TH=hidden_TH[keep.to(hidden_TH.device)],
-            weight_VH=self.model.output_weight_shard(),
-            shard=self.shard,
-            tp_group=self.layout.tp_group,
-            target_ids_TW=targets_RW.to(self.device),
-            inv_temperature_T=(1.0 / batch.temperature_J)[job_of_R].float().to(self.device),
-            top_k=int(batch.top_k_J.max()),
-            sample_n=int(batch.sample_n_J.max()),
-            seed_T=batch.seed_J[job_of_R].to(self.device),
-            position_T=position_R.to(self.device),
-            want_entropy=bool(batch.entropy_J.any()),
-            chunk_rows=self.chunk_rows,
-        )
-        return _split_per_job(out, batch)
+        hidden_RH = hidden_TH[keep.to(hidden_TH.device)]
+        results: list[dict[str, np.ndarray]] = [{} for _ in range(batch.num_jobs)]
+        # Jobs that want the same kinds of output share one head pass, so a job asking only for
+        # log-probs never pays for another job's samples. Every rank forms the same groups.
+        for jobs in _output_groups(batch):
+            rows = torch.isin(job_of_R, torch.tensor(jobs))
+            width = 1 + int(batch.label_width_J[jobs].max())
+            out = tp_ops.chunked_head(
+                hidden_TH=hidden_RH[rows.to(hidden_RH.device)],
+                weight_VH=self.model.output_weight_shard(),
+                shard=self.shard,
+                tp_group=self.layout.tp_group,
+                target_ids_TW=targets_RW[rows, :width].to(self.device),
+                inv_temperature_T=(1.0 / batch.temperature_J)[job_of_R[rows]]
+                .float()
+                .to(self.device),
+                top_k=int(batch.top_k_J[jobs].max()),
+                sample_n=int(batch.sample_n_J[jobs].max()),
+                seed_T=batch.seed_J[job_of_R[rows]].to(self.device),
+                position_T=position_R[rows].to(self.device),
+                want_entropy=bool(batch.entropy_J[jobs].any()),
+                chunk_rows=self.chunk_rows,
+            )
+            for j, arrays in zip(jobs, _split_per_job(out, batch, jobs), strict=True):
+                results[j] = arrays
+        return results
 
 
-def _split_per_job(out: tp_ops.HeadOutputs, batch: BatchTensors) -> list[dict[str, np.ndarray]]:
+def _output_groups(batch: BatchTensors) -> list[list[int]]:
+    groups: dict[tuple[bool, bool, bool], list[int]] = {}
+    for j in range(batch.num_jobs):
+        key = (bool(batch.top_k_J[j]), bool(batch.sample_n_J[j]), bool(batch.entropy_J[j]))
+        groups.setdefault(key, []).append(j)
+    return list(groups.values())
+
+
+def _split_per_job(
+    out: tp_ops.HeadOutputs, batch: BatchTensors, jobs: list[int]
+) -> list[dict[str, np.ndarray]]:
+    """Each job's slice of a head pass over the rows of `jobs` (in order)."""
+
     def host(t: torch.Tensor | None) -> np.ndarray | None:
         return None if t is None else t.detach().cpu().numpy()
 
@@ -92,7 +115,7 @@ def _split_per_job(out: tp_ops.HeadOutputs, batch: BatchTensors) -> list[dict[st
     entropy = host(out.entropy_T)
     results = []
     start = 0
-    for j in range(batch.num_jobs):
+    for j in jobs:
         rows = slice(start, start + int(batch.lengths_J[j]) - 1)
         start = rows.stop
         w, k, n = (int(batch.label_width_J[j]), int(batch.top_k_J[j]), int(batch.sample_n_J[j]))

@@ -28,7 +28,7 @@ from consumer.batching import BatchTensors, batch_from_jobs, broadcast_batch, pl
 from consumer.scoring import Scorer
 from shared import keys
 from shared.errors import InvalidJob
-from shared.messages import Job, Limits, TeacherResult, decode_job
+from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
 from shared.results import encode_record
 from shared.settings import Settings
 from shared.storage import ObjectStore
@@ -250,7 +250,7 @@ class Leader:
         seen: set[str] = set()
         for job, exists in zip(jobs, pipe.execute(), strict=True):
             if exists or job.job_id in seen:
-                self.r.xack(self.streams.jobs, self.streams.group, job.entry_id)
+                self.streams.ack(job.entry_id, tokens=job.counted_tokens)
                 self.counters.duplicates_skipped += 1
                 log.info("job.duplicate_skipped", job_id=job.job_id)
             else:
@@ -300,6 +300,7 @@ class Leader:
                     status="ok",
                     record=record,
                     ttl_s=self.s.queue.result_ttl_s,
+                    tokens=job.counted_tokens,
                 )
             self.counters.jobs_done += 1
             self.counters.tokens += job.request.num_tokens
@@ -317,7 +318,7 @@ class Leader:
         return self.scorer.score(batch)
 
     def _fail(self, job: Job, *, reason: str, exc_type: str) -> None:
-        fields = {b"job_id": job.job_id.encode()}
+        fields = {b"job_id": job.job_id.encode(), b"n_tokens": str(job.counted_tokens).encode()}
         self._dead_letter(job.entry_id, fields, reason=reason, exc_type=exc_type, deliveries=1)
 
     def _dead_letter(
@@ -358,6 +359,7 @@ class Leader:
             status="failed",
             record=record,
             ttl_s=self.s.queue.result_ttl_s,
+            tokens=entry_tokens(fields),
             dead_letter=dead,
         )
         self.counters.jobs_failed += 1

@@ -60,6 +60,7 @@ def demo(jobs: int = typer.Option(40, help="Number of random jobs to submit.")) 
     table.add_row("model", report.model_version)
     table.add_row("redis", report.redis_url)
     table.add_row("results", f"Redis + {report.storage_url}")
+    table.add_row("consumer log", report.consumer_log)
     table.add_row("try", f"teacherq results {report.sample_job} --json")
     out.print(table)
     if report.failed:

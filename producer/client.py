@@ -104,7 +104,8 @@ class TeacherClient:
         for job_id, req in prepared:
             with span("submit", job_id=job_id, tokens=req.num_tokens) as s:
                 traced = req.model_copy(update={"trace": s.carrier})
-                entry = self.streams.submit(job_id, encode_job(traced, job_id=job_id))
+                fields = encode_job(traced, job_id=job_id)
+                entry = self.streams.submit(job_id, fields, tokens=req.num_tokens)
                 s.set(enqueued=entry is not None)
             ids.append(job_id)
         return ids
@@ -180,6 +181,7 @@ class TeacherClient:
             "pending": g.get("pending", 0),
             "dead_letters": self.r.xlen(self.streams.dead),
             "results_announced": self.r.xlen(self.streams.done),
+            "pending_tokens": self.streams.pending_tokens(),
             "consumers": consumers,
         }
 

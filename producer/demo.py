@@ -36,6 +36,7 @@ class DemoReport:
     storage_url: str
     sample_job: str
     model_version: str
+    consumer_log: str
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,7 +82,12 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
         env["TEACHERQ_REDIS__URL"] = url
     else:
         url = settings.redis.url
-    consumer = subprocess.Popen([sys.executable, "-m", "consumer"], env=env)
+    log_path = Path(settings.redis.home) / "demo-consumer.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:  # the consumer's JSON logs, kept off the terminal
+        consumer = subprocess.Popen(
+            [sys.executable, "-m", "consumer"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         redis_cfg = settings.redis.model_copy(update={"url": url})
         client = TeacherClient(settings.model_copy(update={"redis": redis_cfg}))
@@ -103,6 +109,7 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
             storage_url=settings.storage.url,
             sample_job=ids[0],
             model_version=results[0].model_version,
+            consumer_log=str(log_path),
         )
     finally:
         consumer.send_signal(signal.SIGTERM)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 PREFIX = "teacherq"
 
-# Stream entry field names.
-FIELD_PAYLOAD = "payload"  # the JSON-encoded TeacherRequest envelope (arrays as base64 codec)
-FIELD_JOB_ID = "job_id"
+# Stream entry field holding the job's token count, written by the submit script; acking an
+# entry subtracts it from the queue's pending-token counter.
+FIELD_TOKENS = "n_tokens"
 
 
 def _q(queue: str) -> str:
@@ -41,6 +41,11 @@ def result_key(queue: str, job_id: str) -> str:
 def submitted_key(queue: str, job_id: str) -> str:
     """Marker set once per job id at submit (SET NX): makes resubmission a no-op."""
     return f"{_q(queue)}:submitted:{job_id}"
+
+
+def pending_tokens_key(queue: str) -> str:
+    """Counter of tokens submitted and not yet acknowledged (for backpressure)."""
+    return f"{_q(queue)}:pending_tokens"
 
 
 def consumers_key(queue: str) -> str:

@@ -253,6 +253,16 @@ class Job:
     entry_id: str
     request: TeacherRequest
     submitted_at: float
+    counted_tokens: int = 0  # what the submit script added to the pending-token counter
+
+
+def entry_tokens(fields: dict[bytes, bytes]) -> int:
+    """The token count the submit script recorded on an entry (0 if absent or unreadable)."""
+    raw = fields.get(b"n_tokens", b"0")
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        return 0
 
 
 def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> Job:
@@ -306,6 +316,7 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
         entry_id=entry_id,
         request=req,
         submitted_at=float(submitted_at) if isinstance(submitted_at, int | float) else 0.0,
+        counted_tokens=entry_tokens(fields),
     )
 
 

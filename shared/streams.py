@@ -13,37 +13,60 @@ import redis
 
 from shared import keys
 
-# KEYS: submitted marker, jobs stream. ARGV: marker TTL, then stream field/value pairs.
-# Returns the new entry id, or false if the job id was submitted before.
+# KEYS: submitted marker, jobs stream, pending-token counter. ARGV: marker TTL, token count,
+# then stream field/value pairs. Returns the new entry id, or false if the job id was
+# submitted before.
 _SUBMIT = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
-  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+  redis.call('INCRBY', KEYS[3], ARGV[2])
+  return redis.call('XADD', KEYS[2], '*', 'n_tokens', ARGV[2], unpack(ARGV, 3))
 end
 return false
 """
 
-# KEYS: result hash, done stream, jobs stream, dead stream.
-# ARGV: group, entry id, result TTL, job id, status, done-stream maxlen, n result values,
-#       result field/values..., then dead-letter field/values (none: no dead letter).
-# Writes the record only if none exists (first writer wins), announces it on the done
-# stream, dead-letters if asked, and always acknowledges the entry. Returns 1 if it wrote.
-_COMPLETE = """
-local n = tonumber(ARGV[7])
+# Acknowledge an entry once: XACK returns 1 only the first time, and only then are its tokens
+# taken off the pending-token counter. Used by the scripts below.
+_ACK = """
+local function ack(jobs, counter, group, entry_id, tokens)
+  if entry_id ~= '' and redis.call('XACK', jobs, group, entry_id) == 1 then
+    if redis.call('DECRBY', counter, tokens) < 0 then redis.call('SET', counter, 0) end
+  end
+end
+"""
+
+# KEYS: jobs stream, pending-token counter. ARGV: group, entry id, tokens.
+_ACK_ONLY = (
+    _ACK
+    + """
+ack(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: result hash, done stream, jobs stream, dead stream, pending-token counter.
+# ARGV: group, entry id, result TTL, job id, status, done-stream maxlen, tokens,
+#       n result values, result field/values..., then dead-letter field/values (none: no dead
+#       letter). Writes the record only if none exists (first writer wins), announces it on the
+#       done stream, dead-letters if asked, and always acknowledges the entry. Returns 1 if it
+#       wrote.
+_COMPLETE = (
+    _ACK
+    + """
+local n = tonumber(ARGV[8])
 local wrote = 0
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + n))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 9, 8 + n))
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'job_id', ARGV[4], 'status', ARGV[5])
   wrote = 1
 end
-if #ARGV > 7 + n and wrote == 1 then
-  redis.call('XADD', KEYS[4], '*', unpack(ARGV, 8 + n))
+if #ARGV > 8 + n and wrote == 1 then
+  redis.call('XADD', KEYS[4], '*', unpack(ARGV, 9 + n))
 end
-if ARGV[2] ~= '' then
-  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
-end
+ack(KEYS[3], KEYS[5], ARGV[1], ARGV[2], ARGV[7])
 return wrote
 """
+)
 
 
 class Streams:
@@ -58,6 +81,8 @@ class Streams:
         self.dead = keys.dead_stream(queue)
         self._submit = client.register_script(_SUBMIT)
         self._complete = client.register_script(_COMPLETE)
+        self._ack = client.register_script(_ACK_ONLY)
+        self.pending_tokens_key = keys.pending_tokens_key(queue)
 
     def ensure_group(self) -> None:
         """Create the jobs stream and consumer group if missing (idempotent)."""
@@ -67,12 +92,22 @@ class Streams:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def submit(self, job_id: str, fields: dict[str, Any]) -> bytes | None:
-        """Add a job unless its id was submitted before; returns the entry id or None."""
-        argv: list[Any] = [keys.SUBMITTED_TTL_S]
+    def submit(self, job_id: str, fields: dict[str, Any], *, tokens: int) -> bytes | None:
+        """Add a job unless its id was submitted before; returns the entry id or None.
+        `tokens` is added to the pending-token counter when the job is enqueued."""
+        argv: list[Any] = [keys.SUBMITTED_TTL_S, tokens]
         for k, v in fields.items():
             argv += [k, v]
-        return self._submit(keys=[keys.submitted_key(self.queue, job_id), self.jobs], args=argv)
+        keys_ = [keys.submitted_key(self.queue, job_id), self.jobs, self.pending_tokens_key]
+        return self._submit(keys=keys_, args=argv)
+
+    def ack(self, entry_id: str, *, tokens: int) -> None:
+        """Acknowledge an entry without writing a result (e.g. a duplicate)."""
+        self._ack(keys=[self.jobs, self.pending_tokens_key], args=[self.group, entry_id, tokens])
+
+    def pending_tokens(self) -> int:
+        """Tokens submitted through `submit` and not yet acknowledged."""
+        return int(self.r.get(self.pending_tokens_key) or 0)
 
     def complete(
         self,
@@ -82,16 +117,23 @@ class Streams:
         status: str,
         record: dict[str, Any],
         ttl_s: int,
+        tokens: int = 0,
         dead_letter: dict[str, Any] | None = None,
         client: redis.Redis | redis.client.Pipeline | None = None,
     ) -> bool:
-        """Write the result record (first writer wins), announce, maybe dead-letter, XACK."""
-        argv: list[Any] = [self.group, entry_id, ttl_s, job_id, status, keys.DONE_STREAM_MAXLEN]
+        """Write the result record (first writer wins), announce, maybe dead-letter, XACK
+        (taking `tokens` off the pending-token counter if this call acknowledged the entry)."""
+        argv: list[Any] = [
+            self.group, entry_id, ttl_s, job_id, status, keys.DONE_STREAM_MAXLEN, tokens
+        ]  # fmt: skip
         flat: list[Any] = []
         for k, v in record.items():
             flat += [k, v]
         argv += [len(flat), *flat]
         for k, v in (dead_letter or {}).items():
             argv += [k, v]
-        keys_ = [keys.result_key(self.queue, job_id), self.done, self.jobs, self.dead]
+        keys_ = [
+            keys.result_key(self.queue, job_id), self.done, self.jobs, self.dead,
+            self.pending_tokens_key,
+        ]  # fmt: skip
         return bool(self._complete(keys=keys_, args=argv, client=client or self.r))

@@ -248,3 +248,14 @@ def test_cli_submit_and_results(settings, start_consumer, tmp_path) -> None:
     snap = json.loads(status.stdout)
     assert snap["queue"] == settings.queue.name and snap["pending"] == 0
     assert any(c["state"] in ("ready", "busy") for c in snap["consumers"].values())
+
+
+def test_pending_tokens_count_submitted_minus_acknowledged(settings, start_consumer) -> None:
+    client = TeacherClient(settings)
+    ids = client.submit([TeacherRequest(input_ids=list(range(n))) for n in (5, 7, 11)])
+    client.submit([TeacherRequest(input_ids=list(range(5)))])  # a resubmission adds nothing
+    assert client.streams.pending_tokens() == 23
+    assert client.status()["pending_tokens"] == 23
+    start_consumer(settings)
+    client.wait(ids, timeout=60)
+    assert client.streams.pending_tokens() == 0

@@ -1,0 +1,97 @@
+"""Checks shared by every checkpoint format: the error type, parallel sizes, tensor inventories.
+
+Format-specific checks (what a Hugging Face config may contain, where a Megatron checkpoint
+lies) live next to their loaders; this module holds what they have in common, so that every
+refusal reaches the operator as one `CheckpointError` that names each problem it found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # consumer.model imports megatron-core; the error type should not need it
+    from consumer.model import ModelSpec
+
+# Long inventories are cut here: the first few problems tell the operator what is wrong, and
+# a full list of a 1000-tensor mismatch helps nobody.
+MAX_LISTED_PROBLEMS = 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be served as it is; the message names every problem found."""
+
+
+def parallel_problems(spec: ModelSpec, tp: int) -> list[str]:
+    """Why `spec` cannot be split over `tp` tensor-parallel ranks (empty when it can)."""
+    if tp < 1:
+        return [f"tensor-parallel size must be >= 1, got {tp}"]
+    problems = []
+    heads, kv = spec.num_attention_heads, spec.num_kv_heads
+    if heads % tp:
+        problems.append(f"num_attention_heads={heads} is not divisible by tp={tp}")
+    if kv < tp:
+        # megatron-core would replicate each KV head over tp/kv ranks, gathering the whole fused
+        # QKV output on every rank; that path allocates on CUDA unconditionally (so it cannot
+        # run, or be tested, on the CPU) and costs a gather per layer: refuse it.
+        problems.append(
+            f"num_key_value_heads={kv} is smaller than tp={tp}; KV-head replication is not "
+            f"supported, use tp <= {kv} (a divisor of {kv})"
+        )
+    elif kv % tp:
+        problems.append(f"num_key_value_heads={kv} is not divisible by tp={tp}")
+    if spec.ffn_hidden_size % tp:
+        problems.append(
+            f"intermediate (ffn) size {spec.ffn_hidden_size} is not divisible by tp={tp}"
+        )
+    padded = spec.padded_vocab_size(tp)
+    if padded % tp:
+        problems.append(f"padded vocabulary {padded} is not divisible by tp={tp}")
+    return problems
+
+
+def check_parallel(spec: ModelSpec, tp: int) -> None:
+    """Raise `CheckpointError` unless `spec` splits evenly over `tp` tensor-parallel ranks."""
+    problems = parallel_problems(spec, tp)
+    if problems:
+        raise CheckpointError(f"model cannot be split over tp={tp}: " + "; ".join(problems))
+
+
+def inventory_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    *,
+    ignorable: Iterable[str] = (),
+) -> list[str]:
+    """Every difference between the tensors a model needs and those a checkpoint holds.
+
+    `ignorable` names tensors a checkpoint may carry without harm (e.g. a tied lm_head copy);
+    they are neither required nor reported as unexpected.
+    """
+    skip = set(ignorable)
+    problems = []
+    for name, shape in expected.items():
+        if name not in found:
+            problems.append(f"missing: {name} (expected {_fmt(shape)})")
+        elif tuple(found[name]) != tuple(shape):
+            problems.append(f"{name}: expected {_fmt(shape)}, found {_fmt(found[name])}")
+    for name in found:
+        if name not in expected and name not in skip:
+            problems.append(f"unexpected: {name} {_fmt(found[name])}")
+    return problems
+
+
+def raise_problems(headline: str, problems: list[str]) -> None:
+    """Raise one `CheckpointError` listing `problems` under `headline` (no-op when empty)."""
+    if not problems:
+        return
+    listed = problems[:MAX_LISTED_PROBLEMS]
+    more = len(problems) - len(listed)
+    tail = f"\n  ... and {more} more" if more else ""
+    raise CheckpointError(
+        f"{headline} ({len(problems)} problems):\n  " + "\n  ".join(listed) + tail
+    )
+
+
+def _fmt(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"

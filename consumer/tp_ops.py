@@ -1,0 +1,814 @@
+"""Teacher outputs from tensor-parallel, vocabulary-sharded logits, never gathering the vocabulary.
+
+Each tensor-parallel (TP) rank holds the logits of one contiguous slice of the padded vocabulary.
+From those slices this module computes, per scored position (a "row"): log-probs of given target
+ids, the top-k ids with their true log-probs and the log of the mass outside the top-k, samples
+drawn by the Gumbel-max trick from a counter-based hash, and the entropy. Every output is taken
+from the tempered distribution softmax(logits * inv_temperature), with padded vocabulary columns
+(ids >= vocab_size) excluded everywhere.
+
+Per row chunk every rank reduces its own shard in fp32 to a few numbers and candidates, then one
+all_gather of O(3 + W + 2K + 3N) 32-bit words per row and rank lets every rank merge the same
+result. Working memory is O(chunk rows x V); the full [T, V] logits never need to exist.
+
+Pure tensor math: imports only torch, torch.distributed and the standard library.
+
+Shape legend (suffixes on tensor names):
+    T  rows (scored positions) of the batch
+    R  rows of one chunk, R <= T
+    V  columns of this rank's vocabulary shard (padded_vocab / TP)
+    H  hidden size
+    W  target ids per row (may be 0)
+    K  top-k entries per row (may be 0)
+    N  samples per row (may be 0)
+    P  tensor-parallel ranks
+    C  merge candidates per row, P * K
+    D  32-bit words one rank contributes per row to the gather
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "CommStats",
+    "HeadOutputs",
+    "VocabShard",
+    "chunked_head",
+    "head_from_logits",
+    "sampling_hash",
+    "stream_keys",
+    "uniform_from_hash",
+    "validate_temperature",
+    "vocab_shard",
+]
+
+# Row chunks are sized so one fp32 [R, V] buffer holds about this many elements; the sampling
+# scratch adds 20 bytes per element on top of the 4-byte tempered logits.
+DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64 increment (golden ratio)
+_MIX_M1 = 0xBF58476D1CE4E5B9
+_MIX_M2 = 0x94D049BB133111EB
+# Stand-in id for a missing candidate: above every real id, so it loses every tie.
+_SENTINEL_ID = (1 << 31) - 1
+_NEG_INF = float("-inf")
+
+
+def _signed64(value: int) -> int:
+    # torch scalars are signed int64; hand it the same 64-bit pattern as a signed number.
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+_GAMMA_S = _signed64(_GAMMA)
+_MIX_STEPS = ((30, _signed64(_MIX_M1)), (27, _signed64(_MIX_M2)), (31, None))
+
+
+# --------------------------------------------------------------------------------------------
+# Layout and bookkeeping
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's logits columns: global ids [start, start + size); ids >= vocab_size are padding.
+
+    The padded vocabulary is split into equal contiguous shards in rank order, so the padding is
+    a suffix of the last shard(s) and `valid_size` columns at the front of a shard are real.
+    """
+
+    start: int
+    size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.size < 1 or self.vocab_size < 1:
+            raise ValueError(
+                f"VocabShard needs start >= 0, size >= 1 and vocab_size >= 1, got {self}"
+            )
+
+    @property
+    def end(self) -> int:
+        """One past the last global id of the shard (padding included)."""
+        return self.start + self.size
+
+    @property
+    def valid_size(self) -> int:
+        """How many leading columns of the shard are real vocabulary ids."""
+        return max(0, min(self.size, self.vocab_size - self.start))
+
+
+def vocab_shard(*, rank: int, tp_size: int, padded_vocab: int, vocab_size: int) -> VocabShard:
+    """The shard of `rank` among `tp_size` equal, contiguous slices of the padded vocabulary."""
+    if tp_size < 1 or not 0 <= rank < tp_size:
+        raise ValueError(f"rank must lie in [0, tp_size), got rank={rank} tp_size={tp_size}")
+    if padded_vocab % tp_size:
+        raise ValueError(
+            f"padded_vocab {padded_vocab} is not a multiple of tp_size {tp_size}; pad the "
+            "vocabulary to a multiple of the tensor-parallel size"
+        )
+    if not 1 <= vocab_size <= padded_vocab:
+        raise ValueError(
+            f"vocab_size must lie in [1, padded_vocab={padded_vocab}], got {vocab_size}"
+        )
+    if padded_vocab >= _SENTINEL_ID:
+        raise ValueError(f"padded_vocab {padded_vocab} does not fit the 31-bit id exchange")
+    size = padded_vocab // tp_size
+    return VocabShard(start=rank * size, size=size, vocab_size=vocab_size)
+
+
+@dataclass
+class CommStats:
+    """Per collective kind: calls made and bytes this rank sent and received.
+
+    Pass one as `comm=` to the head functions; it accumulates across calls. Nothing is recorded
+    for TP = 1, where no collective runs.
+    """
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+
+    def record(self, *, kind: str, sent: int, received: int) -> None:
+        """Count one collective of `kind` that moved `sent` and `received` bytes on this rank."""
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
+        self.bytes_received[kind] = self.bytes_received.get(kind, 0) + received
+
+
+@dataclass(frozen=True)
+class HeadOutputs:
+    """Per-row teacher outputs; identical on every rank of the TP group.
+
+    topk ids are ordered by descending log-prob, ties by ascending id. entropy_T is None when it
+    was not requested; W, K or N of 0 give [T, 0] tensors.
+    """
+
+    target_logprobs_TW: torch.Tensor  # fp32
+    topk_ids_TK: torch.Tensor  # int64
+    topk_logprobs_TK: torch.Tensor  # fp32, normalised over the whole vocabulary
+    topk_rest_logprob_T: torch.Tensor  # fp32, log of the mass outside the top-k
+    sample_ids_TN: torch.Tensor  # int64
+    sample_logprobs_TN: torch.Tensor  # fp32
+    entropy_T: torch.Tensor | None  # fp32, nats
+
+
+# --------------------------------------------------------------------------------------------
+# Temperature
+# --------------------------------------------------------------------------------------------
+
+
+def validate_temperature(*, temperature_T: torch.Tensor | Sequence[float] | float) -> torch.Tensor:
+    """Check per-row temperatures and return their reciprocals as fp32 `inv_temperature_T` (CPU).
+
+    Raises ValueError naming the first offending row when a temperature is <= 0, NaN or inf, or
+    so small that its reciprocal overflows fp32.
+    """
+    temps = torch.as_tensor(temperature_T, dtype=torch.float64).detach().cpu().reshape(-1)
+    bad = ~torch.isfinite(temps) | (temps <= 0)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"temperature must be a finite number > 0 (not <= 0, NaN or inf); row {row} has "
+            f"{float(temps[row])}"
+        )
+    inv = (1.0 / temps).to(torch.float32)
+    if not bool(torch.isfinite(inv).all()):
+        row = int((~torch.isfinite(inv)).nonzero()[0, 0])
+        raise ValueError(
+            f"temperature {float(temps[row])} at row {row} is too small: 1/temperature "
+            "overflows float32"
+        )
+    return inv
+
+
+# --------------------------------------------------------------------------------------------
+# Counter-based random source
+# --------------------------------------------------------------------------------------------
+
+
+def _mix64_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; masking off the sign-filled bits makes it logical.
+    # Multiplication wraps modulo 2**64 on CPU and CUDA, which is what the definition wants.
+    for shift, mult in _MIX_STEPS:
+        torch.bitwise_right_shift(x, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(tmp)
+        if mult is not None:
+            x.mul_(mult)
+    return x
+
+
+def _splitmix(state: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
+    if isinstance(counter, int):
+        x = state + _signed64(counter * _GAMMA)
+    else:
+        x = state + counter.mul(_GAMMA_S)
+    return _mix64_(x, torch.empty_like(x))
+
+
+def stream_keys(*, seed_T: torch.Tensor, position_T: torch.Tensor, sample_n: int) -> torch.Tensor:
+    """Per (row, sample) stream keys, int64 [T, N]; see `sampling_hash` for the definition."""
+    seed = seed_T.to(torch.int64)
+    s1 = _splitmix(_splitmix(seed, 1), position_T.to(torch.int64) + 1)
+    j_N = torch.arange(1, sample_n + 1, dtype=torch.int64, device=seed.device)
+    return _splitmix(s1[:, None], j_N[None, :])
+
+
+def sampling_hash(
+    *,
+    seed_T: torch.Tensor,
+    position_T: torch.Tensor,
+    sample_index: int,
+    vocab_ids_V: torch.Tensor,
+) -> torch.Tensor:
+    """The 64-bit random word behind sample `sample_index` of each row, per vocab id; int64 [T, V].
+
+    Definition (every value is a 64-bit word, arithmetic is modulo 2**64, `>>>` is the logical
+    right shift; int64 tensors carry the same bit patterns):
+
+        mix64(x):  x ^= x >>> 30;  x *= 0xBF58476D1CE4E5B9
+                   x ^= x >>> 27;  x *= 0x94D049BB133111EB
+                   x ^= x >>> 31;  return x
+        SM(s, c) = mix64(s + c * 0x9E3779B97F4A7C15)   # output c of SplitMix64 seeded with s
+        hash(seed, position, j, v) = SM(SM(SM(SM(seed, 1), position + 1), j + 1), v + 1)
+
+    with seed and position the row's int64 values (two's complement), j the 0-based sample index
+    and v the GLOBAL vocabulary id. Nothing depends on TP size, shard, chunk or batch layout.
+    `uniform_from_hash` turns the word into u in (0, 1); the sampler adds the fp32 Gumbel noise
+    fp32(-log(-log(u))) (computed in fp64, rounded once) to the tempered fp32 logit and keeps the
+    largest sum, ties going to the lowest id.
+    """
+    keys_T1 = stream_keys(seed_T=seed_T, position_T=position_T, sample_n=sample_index + 1)[
+        :, sample_index : sample_index + 1
+    ]
+    out_TV = keys_T1 + (vocab_ids_V.to(torch.int64) + 1).mul(_GAMMA_S)[None, :]
+    return _mix64_(out_TV, torch.empty_like(out_TV))
+
+
+def _uniform_into(hash_RV: torch.Tensor, tmp_RV: torch.Tensor) -> torch.Tensor:
+    # Reuses hash_RV's storage for the fp64 result; tmp_RV is scratch.
+    torch.bitwise_right_shift(hash_RV, 12, out=tmp_RV)
+    tmp_RV.bitwise_and_((1 << 52) - 1)
+    u_RV = hash_RV.view(torch.float64)
+    u_RV.copy_(tmp_RV)
+    # (2k + 1) / 2**53 is exact in fp64 for k < 2**52, so u never reaches 0 or 1.
+    return u_RV.mul_(2.0**-52).add_(2.0**-53)
+
+
+def uniform_from_hash(hash_TV: torch.Tensor) -> torch.Tensor:
+    """fp64 uniforms u = (2 * (hash >>> 12) + 1) / 2**53 in the open interval (0, 1)."""
+    return _uniform_into(hash_TV.clone(), torch.empty_like(hash_TV)).clone()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _group_layout(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+
+
+def _check_inputs(
+    *,
+    rows: int,
+    width: int,
+    device: torch.device,
+    shard: VocabShard,
+    rank: int,
+    tp_size: int,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+) -> None:
+    if width != shard.size:
+        raise ValueError(f"logits width {width} != shard.size {shard.size}")
+    if shard.start != rank * shard.size or shard.vocab_size > shard.size * tp_size:
+        raise ValueError(
+            f"{shard} is not the shard of TP rank {rank} of {tp_size}: shards must be equal "
+            "contiguous slices in rank order (build them with vocab_shard)"
+        )
+    if shard.size * tp_size >= _SENTINEL_ID:
+        raise ValueError("padded vocabulary does not fit the 31-bit id exchange")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    if top_k > shard.vocab_size:
+        raise ValueError(f"top_k {top_k} exceeds the vocabulary size {shard.vocab_size}")
+    if isinstance(sample_n, bool) or not isinstance(sample_n, int) or sample_n < 0:
+        raise ValueError(f"sample_n must be an int >= 0, got {sample_n!r}")
+
+    if not inv_temperature_T.is_floating_point() or tuple(inv_temperature_T.shape) != (rows,):
+        raise ValueError(
+            f"inv_temperature_T must be a float tensor of shape [{rows}], got "
+            f"{inv_temperature_T.dtype} {tuple(inv_temperature_T.shape)}"
+        )
+    if inv_temperature_T.device != device:
+        raise ValueError(f"inv_temperature_T is on {inv_temperature_T.device}, logits on {device}")
+    inv32 = inv_temperature_T.float()
+    if rows and not bool((torch.isfinite(inv32) & (inv32 > 0)).all()):
+        raise ValueError(
+            "inv_temperature_T must hold finite values > 0, i.e. temperatures that are finite "
+            "and > 0 (use validate_temperature)"
+        )
+
+    if target_ids_TW is not None:
+        if target_ids_TW.dtype != torch.int64 or target_ids_TW.dim() != 2:
+            raise ValueError(
+                f"target_ids_TW must be an int64 [T, W] tensor, got {target_ids_TW.dtype} "
+                f"{tuple(target_ids_TW.shape)}"
+            )
+        if target_ids_TW.shape[0] != rows:
+            raise ValueError(f"target_ids_TW has {target_ids_TW.shape[0]} rows, logits {rows}")
+        if target_ids_TW.device != device:
+            raise ValueError(f"target_ids_TW is on {target_ids_TW.device}, logits on {device}")
+        if target_ids_TW.numel():
+            lo, hi = int(target_ids_TW.min()), int(target_ids_TW.max())
+            if lo < 0 or hi >= shard.vocab_size:
+                raise ValueError(
+                    f"target ids must lie in [0, vocab_size={shard.vocab_size}), got values in "
+                    f"[{lo}, {hi}]"
+                )
+
+    if sample_n:
+        for name, ten in (("seed_T", seed_T), ("position_T", position_T)):
+            if ten is None:
+                raise ValueError(f"{name} is required when sample_n > 0")
+            if ten.dtype != torch.int64 or tuple(ten.shape) != (rows,):
+                raise ValueError(
+                    f"{name} must be an int64 tensor of shape [{rows}], got {ten.dtype} "
+                    f"{tuple(ten.shape)}"
+                )
+            if ten.device != device:
+                raise ValueError(f"{name} is on {ten.device}, logits on {device}")
+
+
+def _auto_chunk_rows(chunk_rows: int | None, width: int) -> int:
+    if chunk_rows is None:
+        return max(1, DEFAULT_CHUNK_ELEMENTS // max(width, 1))
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
+    return chunk_rows
+
+
+# --------------------------------------------------------------------------------------------
+# Per-chunk kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _order_key(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (value descending, then id ascending) for fp32 values, int ids."""
+    # +0.0 folds -0.0 into +0.0 so equal floats share a key and the id decides.
+    bits = (values + 0.0).view(torch.int32).to(torch.int64)
+    # Flipping the magnitude bits of negative floats makes the signed integer order the float
+    # order.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered << 32) | (0xFFFFFFFF - ids.to(torch.int64))
+
+
+def _local_topk(z_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row by (value desc, column asc): a set that does not depend on the kernel."""
+    vals_RK, idx_RK = torch.topk(z_RV, k, dim=1, largest=True, sorted=True)
+    kth_R1 = vals_RK[:, -1:]
+    n_sel_R = (vals_RK == kth_R1).sum(1)
+    n_all_R = (z_RV == kth_R1).sum(1)
+    fix_R = n_all_R > n_sel_R
+    # torch.topk picks arbitrary members of a tie at the k-th value; swap in the lowest columns.
+    if bool(fix_R.any()):
+        rows_F = fix_R.nonzero().squeeze(1)
+        width = z_RV.shape[1]
+        cols_V = torch.arange(width, device=z_RV.device)
+        tied_FV = torch.where(z_RV[rows_F] == kth_R1[rows_F], cols_V, width)
+        tied_FK = torch.topk(tied_FV, k, dim=1, largest=False, sorted=True).values
+        n_greater_F1 = k - n_sel_R[rows_F, None]
+        slot_K = torch.arange(k, device=z_RV.device)
+        src_FK = (slot_K[None, :] - n_greater_F1).clamp(min=0)
+        idx_RK[rows_F] = torch.where(
+            slot_K[None, :] >= n_greater_F1, tied_FK.gather(1, src_FK), idx_RK[rows_F]
+        )
+    return vals_RK, idx_RK
+
+
+def _local_samples(
+    z_RV: torch.Tensor, keys_RN: torch.Tensor, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (row, sample): best Gumbel key on this shard, its global id and its tempered logit."""
+    rows, sample_n = keys_RN.shape
+    valid = shard.valid_size
+    device = z_RV.device
+    key_RN = torch.full((rows, sample_n), _NEG_INF, device=device)
+    id_RN = torch.full((rows, sample_n), _SENTINEL_ID, dtype=torch.int64, device=device)
+    zwin_RN = torch.full((rows, sample_n), _NEG_INF, device=device)
+    if valid == 0:
+        return key_RN, id_RN, zwin_RN
+    zv_RV = z_RV[:, :valid]
+    gid_V = torch.arange(shard.start, shard.start + valid, dtype=torch.int64, device=device)
+    vgamma_V = (gid_V + 1).mul_(_GAMMA_S)
+    hash_RV = torch.empty((rows, valid), dtype=torch.int64, device=device)
+    tmp_RV = torch.empty_like(hash_RV)
+    gkey_RV = torch.empty((rows, valid), dtype=torch.float32, device=device)
+    for j in range(sample_n):
+        torch.add(keys_RN[:, j : j + 1], vgamma_V[None, :], out=hash_RV)
+        _mix64_(hash_RV, tmp_RV)
+        log_e_RV = _uniform_into(hash_RV, tmp_RV).log_().neg_().log_()
+        gkey_RV.copy_(log_e_RV)  # the single fp64 -> fp32 rounding of -gumbel
+        torch.sub(zv_RV, gkey_RV, out=gkey_RV)
+        # max() returns the first maximal column, i.e. the lowest id on ties.
+        best_R, col_R = gkey_RV.max(dim=1)
+        key_RN[:, j] = best_R
+        id_RN[:, j] = col_R + shard.start
+        zwin_RN[:, j] = zv_RV.gather(1, col_R[:, None]).squeeze(1)
+    return key_RN, id_RN, zwin_RN
+
+
+@dataclass(frozen=True)
+class _Request:
+    shard: VocabShard
+    tp_group: dist.ProcessGroup | None
+    rank: int
+    tp_size: int
+    top_k: int
+    sample_n: int
+    want_entropy: bool
+    comm: CommStats | None
+
+
+def _as_words(x_RX: torch.Tensor) -> torch.Tensor:
+    # fp32 travels as its bit pattern and ids as int32: ids are never cast to float.
+    if x_RX.dtype == torch.float32:
+        return x_RX.contiguous().view(torch.int32)
+    return x_RX.to(torch.int32)
+
+
+def _head_chunk(
+    req: _Request,
+    logits_RV: torch.Tensor,
+    target_ids_RW: torch.Tensor,
+    inv_temperature_R: torch.Tensor,
+    keys_RN: torch.Tensor | None,
+) -> tuple[HeadOutputs, torch.Tensor]:
+    """Outputs for one row chunk, plus a [R] mask of rows whose logits were unusable."""
+    shard, k, n = req.shard, req.top_k, req.sample_n
+    rows, width = logits_RV.shape
+    device = logits_RV.device
+    valid = shard.valid_size
+
+    # One fused multiply upcasts any float dtype to fp32 and applies the temperature.
+    z_RV = torch.empty((rows, width), dtype=torch.float32, device=device)
+    torch.mul(logits_RV, inv_temperature_R.float()[:, None], out=z_RV)
+    if valid < width:
+        z_RV[:, valid:] = _NEG_INF
+    m_R = z_RV.amax(dim=1)
+
+    local_RW = target_ids_RW - shard.start
+    owned_RW = (local_RW >= 0) & (local_RW < valid)
+    tz_RW = z_RV.gather(1, local_RW.clamp(0, width - 1))
+    # -inf from non-owners lets a max over ranks pick the owner's value.
+    tz_RW = torch.where(owned_RW, tz_RW, _NEG_INF)
+
+    cand_val_RK = torch.full((rows, k), _NEG_INF, device=device)
+    cand_id_RK = torch.full((rows, k), _SENTINEL_ID, dtype=torch.int64, device=device)
+    local_idx = None
+    if k:
+        k_local = min(k, width)
+        vals, local_idx = _local_topk(z_RV, k_local)
+        cand_val_RK[:, :k_local] = vals
+        cand_id_RK[:, :k_local] = local_idx + shard.start
+
+    if n:
+        skey_RN, sid_RN, sz_RN = _local_samples(z_RV, keys_RN, shard)
+    else:
+        skey_RN = sz_RN = torch.empty((rows, 0), device=device)
+        sid_RN = torch.empty((rows, 0), dtype=torch.int64, device=device)
+
+    # Sums relative to the local max; a shard with no finite logit uses 0 so -inf - -inf never
+    # occurs (its sum is then 0 and the merge ignores it).
+    m_safe_R = torch.where(torch.isfinite(m_R), m_R, 0.0)
+    y_RV = z_RV.sub_(m_safe_R[:, None])
+    e_RV = torch.exp(y_RV) if req.want_entropy else y_RV.exp_()
+    # The local top-k candidates travel to every rank, which adds their mass back itself: the
+    # mass outside the global top-k is then a sum of positive terms, never a difference.
+    if local_idx is not None:
+        e_RV.scatter_(1, local_idx, 0.0)
+    s_rest_R = e_RV.sum(dim=1)
+    if req.want_entropy:
+        # nansum: exp(-inf) * -inf = 0 * -inf is NaN for masked or -inf columns that add 0.
+        u_rest_R = torch.nansum(e_RV.mul_(y_RV), dim=1)
+    else:
+        u_rest_R = torch.zeros_like(s_rest_R)
+    del z_RV, y_RV, e_RV
+
+    stats_R3 = torch.stack([m_R, s_rest_R, u_rest_R], dim=1)
+    payload_RD = torch.cat(
+        [
+            _as_words(stats_R3),
+            _as_words(tz_RW),
+            _as_words(cand_val_RK),
+            _as_words(cand_id_RK),
+            _as_words(skey_RN),
+            _as_words(sid_RN),
+            _as_words(sz_RN),
+        ],
+        dim=1,
+    )
+    gathered_PRD = _all_gather_rows(payload_RD, req)
+    return _merge(req, gathered_PRD, target_ids_RW.shape[1])
+
+
+def _all_gather_rows(payload_RD: torch.Tensor, req: _Request) -> torch.Tensor:
+    if req.tp_size == 1:
+        return payload_RD[None]
+    rows, words = payload_RD.shape
+    # The concatenated [P * R, D] form is the one every backend accepts.
+    out_PRD = torch.empty(
+        (req.tp_size * rows, words), dtype=payload_RD.dtype, device=payload_RD.device
+    )
+    _gather_single(out_PRD, payload_RD.contiguous(), group=req.tp_group)
+    if req.comm is not None:
+        nbytes = payload_RD.numel() * payload_RD.element_size()
+        req.comm.record(kind="all_gather", sent=nbytes, received=nbytes * req.tp_size)
+    return out_PRD.view(req.tp_size, rows, words)
+
+
+# all_gather_single replaces all_gather_into_tensor in newer torch; same contract.
+_gather_single: Callable[..., object] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+
+
+def _merge(req: _Request, gathered_PRD: torch.Tensor, w: int) -> tuple[HeadOutputs, torch.Tensor]:
+    k, n = req.top_k, req.sample_n
+    offsets = [0, 3, 3 + w, 3 + w + k, 3 + w + 2 * k, 3 + w + 2 * k + n, 3 + w + 2 * k + 2 * n]
+    offsets.append(offsets[-1] + n)
+
+    def field_(i: int, as_float: bool) -> torch.Tensor:
+        words = gathered_PRD[..., offsets[i] : offsets[i + 1]].contiguous()
+        return words.view(torch.float32) if as_float else words.to(torch.int64)
+
+    stats_PR3 = field_(0, True)
+    m_PR, s_rest_PR, u_rest_PR = stats_PR3.unbind(dim=2)
+    tz_RW = field_(1, True).amax(dim=0)
+    cand_val_RC = field_(2, True).permute(1, 0, 2).flatten(1)
+    cand_id_RC = field_(3, False).permute(1, 0, 2).flatten(1)
+    skey_PRN, sid_PRN, sz_PRN = field_(4, True), field_(5, False), field_(6, True)
+
+    big_m_R = m_PR.amax(dim=0)
+    live_PR = s_rest_PR > 0
+    w_PR = torch.where(live_PR, torch.exp(m_PR - big_m_R), 0.0)
+    rest_R = (w_PR * s_rest_PR).sum(dim=0)
+
+    e_RC = torch.where(cand_val_RC > _NEG_INF, torch.exp(cand_val_RC - big_m_R[:, None]), 0.0)
+    if k:
+        _, top_pos_RK = torch.topk(_order_key(cand_val_RC, cand_id_RC), k, dim=1)
+        in_top_RC = torch.zeros_like(e_RC, dtype=torch.bool).scatter_(1, top_pos_RK, True)
+        rest_R = rest_R + torch.where(in_top_RC, 0.0, e_RC).sum(dim=1)
+        sum_R = rest_R + torch.where(in_top_RC, e_RC, 0.0).sum(dim=1)
+        topk_ids_RK = cand_id_RC.gather(1, top_pos_RK)
+        topk_val_RK = cand_val_RC.gather(1, top_pos_RK)
+    else:
+        sum_R = rest_R
+        topk_ids_RK = cand_id_RC[:, :0]
+        topk_val_RK = cand_val_RC[:, :0]
+    lse_R = big_m_R + torch.log(sum_R)
+    bad_R = ~torch.isfinite(lse_R)
+
+    entropy_R = None
+    if req.want_entropy:
+        shift_PR = torch.where(live_PR, m_PR - big_m_R, 0.0)
+        acc_R = (w_PR * (u_rest_PR + shift_PR * s_rest_PR)).sum(dim=0)
+        acc_R = acc_R + torch.where(e_RC > 0, e_RC * (cand_val_RC - big_m_R[:, None]), 0.0).sum(
+            dim=1
+        )
+        # H = -sum p log p with p = e / S and log p = (z - M) - log S.
+        entropy_R = torch.log(sum_R) - acc_R / sum_R
+        bad_R |= ~torch.isfinite(entropy_R)
+
+    if n:
+        best_P_RN = _order_key(skey_PRN, sid_PRN).argmax(dim=0, keepdim=True)
+        sample_ids_RN = sid_PRN.gather(0, best_P_RN).squeeze(0)
+        sample_z_RN = sz_PRN.gather(0, best_P_RN).squeeze(0)
+    else:
+        sample_ids_RN = sid_PRN[0]
+        sample_z_RN = sz_PRN[0]
+
+    out = HeadOutputs(
+        target_logprobs_TW=tz_RW - lse_R[:, None],
+        topk_ids_TK=topk_ids_RK,
+        topk_logprobs_TK=topk_val_RK - lse_R[:, None],
+        topk_rest_logprob_T=torch.log(rest_R) - torch.log(sum_R),
+        sample_ids_TN=sample_ids_RN,
+        sample_logprobs_TN=sample_z_RN - lse_R[:, None],
+        entropy_T=entropy_R,
+    )
+    return out, bad_R
+
+
+# --------------------------------------------------------------------------------------------
+# Drivers
+# --------------------------------------------------------------------------------------------
+
+
+def _run_chunks(
+    *,
+    rows: int,
+    width: int,
+    device: torch.device,
+    logits_chunk: Callable[[int, int], torch.Tensor],
+    shard: VocabShard,
+    tp_group: dist.ProcessGroup | None,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+    want_entropy: bool,
+    chunk_rows: int | None,
+    comm: CommStats | None,
+) -> HeadOutputs:
+    rank, tp_size = _group_layout(tp_group)
+    _check_inputs(
+        rows=rows,
+        width=width,
+        device=device,
+        shard=shard,
+        rank=rank,
+        tp_size=tp_size,
+        target_ids_TW=target_ids_TW,
+        inv_temperature_T=inv_temperature_T,
+        top_k=top_k,
+        sample_n=sample_n,
+        seed_T=seed_T,
+        position_T=position_T,
+    )
+    step = _auto_chunk_rows(chunk_rows, width)
+    if target_ids_TW is None:
+        target_ids_TW = torch.empty((rows, 0), dtype=torch.int64, device=device)
+    w = target_ids_TW.shape[1]
+    req = _Request(shard, tp_group, rank, tp_size, top_k, sample_n, want_entropy, comm)
+
+    def f32(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    def i64(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.int64, device=device)
+
+    out = HeadOutputs(
+        target_logprobs_TW=f32(rows, w),
+        topk_ids_TK=i64(rows, top_k),
+        topk_logprobs_TK=f32(rows, top_k),
+        topk_rest_logprob_T=f32(rows),
+        sample_ids_TN=i64(rows, sample_n),
+        sample_logprobs_TN=f32(rows, sample_n),
+        entropy_T=f32(rows) if want_entropy else None,
+    )
+    keys_TN = None
+    if sample_n:
+        assert seed_T is not None and position_T is not None  # checked above
+        keys_TN = stream_keys(seed_T=seed_T, position_T=position_T, sample_n=sample_n)
+    bad_T = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        part, bad_R = _head_chunk(
+            req,
+            logits_chunk(r0, r1),
+            target_ids_TW[r0:r1],
+            inv_temperature_T[r0:r1],
+            None if keys_TN is None else keys_TN[r0:r1],
+        )
+        for f in fields(out):
+            dst = getattr(out, f.name)
+            if dst is not None:
+                dst[r0:r1] = getattr(part, f.name)
+        bad_T[r0:r1] = bad_R
+
+    # Every rank merged the same gathered data, so every rank raises (or not) together.
+    if bool(bad_T.any()):
+        bad_rows = bad_T.nonzero().squeeze(1)
+        raise ValueError(
+            f"{bad_rows.numel()} rows have NaN or +inf logits, or no finite logit; first rows "
+            f"{bad_rows[:8].tolist()}"
+        )
+    return out
+
+
+@torch.no_grad()
+def head_from_logits(
+    *,
+    logits_TV: torch.Tensor,
+    shard: VocabShard,
+    tp_group: dist.ProcessGroup | None,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+    want_entropy: bool,
+    chunk_rows: int | None = None,
+    comm: CommStats | None = None,
+) -> HeadOutputs:
+    """Teacher outputs from this rank's logits shard `logits_TV` ([T, shard.size], any float dtype).
+
+    Every rank of `tp_group` (None: TP = 1) must call this with the same rows and arguments except
+    its own logits. Rows are processed in chunks of `chunk_rows` (default: about
+    DEFAULT_CHUNK_ELEMENTS / V), each upcast to fp32, so extra memory is O(chunk_rows x V).
+
+    target_ids_TW: int64 [T, W] global ids in [0, vocab_size), or None for W = 0.
+    inv_temperature_T: fp32 [T], 1 / temperature per row (see validate_temperature).
+    top_k: K <= vocab_size; the top-K ids by descending probability, ties to the lowest id.
+    sample_n: N; seed_T, position_T (int64 [T]) key the samples (see sampling_hash).
+    want_entropy: also return the entropy of the tempered distribution.
+    comm: optional CommStats that records the collectives.
+
+    Raises ValueError on inconsistent arguments, and on rows whose logits hold NaN or +inf.
+    """
+    if not logits_TV.is_floating_point() or logits_TV.dim() != 2:
+        raise ValueError(
+            f"logits_TV must be a 2-D float tensor, got {logits_TV.dtype} {tuple(logits_TV.shape)}"
+        )
+    return _run_chunks(
+        rows=logits_TV.shape[0],
+        width=logits_TV.shape[1],
+        device=logits_TV.device,
+        logits_chunk=lambda r0, r1: logits_TV[r0:r1],
+        shard=shard,
+        tp_group=tp_group,
+        target_ids_TW=target_ids_TW,
+        inv_temperature_T=inv_temperature_T,
+        top_k=top_k,
+        sample_n=sample_n,
+        seed_T=seed_T,
+        position_T=position_T,
+        want_entropy=want_entropy,
+        chunk_rows=chunk_rows,
+        comm=comm,
+    )
+
+
+@torch.no_grad()
+def chunked_head(
+    *,
+    hidden_TH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    shard: VocabShard,
+    tp_group: dist.ProcessGroup | None,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+    want_entropy: bool,
+    chunk_rows: int | None = None,
+    comm: CommStats | None = None,
+) -> HeadOutputs:
+    """Like head_from_logits, producing each chunk's logits as hidden_chunk @ weight_VH.T.
+
+    hidden_TH: [T, H] final hidden states (replicated on the TP group); weight_VH: this rank's
+    [shard.size, H] output-layer shard, same dtype. The matmul runs in that dtype and only one
+    chunk of logits exists at a time, so the full [T, V] logits are never materialised.
+    """
+    if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(
+            f"hidden_TH [T, H] and weight_VH [V, H] disagree: {tuple(hidden_TH.shape)} vs "
+            f"{tuple(weight_VH.shape)}"
+        )
+    if hidden_TH.dtype != weight_VH.dtype or not hidden_TH.is_floating_point():
+        raise ValueError(
+            f"hidden_TH and weight_VH need one float dtype, got {hidden_TH.dtype} and "
+            f"{weight_VH.dtype}"
+        )
+    if hidden_TH.device != weight_VH.device:
+        raise ValueError(f"hidden_TH is on {hidden_TH.device}, weight_VH on {weight_VH.device}")
+    weight_HV = weight_VH.t()
+    return _run_chunks(
+        rows=hidden_TH.shape[0],
+        width=weight_VH.shape[0],
+        device=hidden_TH.device,
+        logits_chunk=lambda r0, r1: hidden_TH[r0:r1] @ weight_HV,
+        shard=shard,
+        tp_group=tp_group,
+        target_ids_TW=target_ids_TW,
+        inv_temperature_T=inv_temperature_T,
+        top_k=top_k,
+        sample_n=sample_n,
+        seed_T=seed_T,
+        position_T=position_T,
+        want_entropy=want_entropy,
+        chunk_rows=chunk_rows,
+        comm=comm,
+    )

@@ -1,0 +1,71 @@
+"""Write a small random-init Hugging Face checkpoint of a supported family (no download).
+
+    python scripts/make_checkpoint.py --family qwen3 --out /tmp/qwen3-tiny --head-dim 32
+
+The directory gets config.json and model.safetensors written by transformers' save_pretrained,
+so it loads both in transformers and through `consumer.checkpoints.load_hf_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# run as a script from a checkout: make the repository's packages importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from consumer.checkpoints.synthetic import FAMILIES, write_random_hf_checkpoint  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", choices=FAMILIES, required=True)
+    p.add_argument("--out", type=Path, required=True, help="directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--vocab-size", type=int, default=500)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=128, help="intermediate (MLP) size")
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument(
+        "--rope-scaling",
+        type=json.loads,
+        default=None,
+        help='JSON, e.g. \'{"rope_type": "linear", "factor": 4.0}\'',
+    )
+    p.add_argument("--max-shard-size", default=None, help='e.g. "50KB" to shard the weights')
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the checkpoint and report its directory on stdout."""
+    a = parse_args(argv)
+    out = write_random_hf_checkpoint(
+        a.out,
+        a.family,
+        seed=a.seed,
+        max_shard_size=a.max_shard_size,
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        num_layers=a.num_layers,
+        num_attention_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        intermediate_size=a.ffn,
+        head_dim=a.head_dim,
+        tie_embeddings=a.tie,
+        rope_theta=a.rope_theta,
+        rope_scaling=a.rope_scaling,
+    )
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
