@@ -153,34 +153,6 @@ def cancel(job_ids: Annotated[list[str], typer.Argument(help="Job ids to cancel.
 
 
 @app.command()
-def status(as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
-    """Queue depth, pending entries, dead letters and consumers of the queue."""
-    settings = _settings()
-    client = _client(settings)
-    snap = client.status()
-    if as_json or not _tty():
-        typer.echo(json.dumps(snap))
-        return
-    table = Table(title=f"queue {snap['queue']}")
-    for k in ("jobs_in_stream", "lag", "pending", "dead_letters", "results_announced"):
-        table.add_row(k, str(snap[k]))
-    out.print(table)
-    ct = Table(title="consumers")
-    for col in ("name", "state", "model_version", "layout", "jobs_done", "heartbeat_age_s"):
-        ct.add_column(col)
-    for name, c in snap["consumers"].items():
-        ct.add_row(
-            name,
-            c["state"],
-            c["model_version"],
-            c["layout"],
-            str(c["jobs_done"]),
-            f"{c['heartbeat_age_s']:.1f}",
-        )
-    out.print(ct)
-
-
-@app.command()
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
     from consumer.__main__ import main
