@@ -39,6 +39,19 @@ class Scorer:
             start=self.layout.tp_rank * per_rank, size=per_rank, vocab_size=self.spec.vocab_size
         )
 
+    def check(self, batch: BatchTensors) -> None:
+        """Refuse a batch this model cannot score (ids outside its vocabulary, inconsistent
+        lengths) before any collective starts; the leader validated jobs already, so this
+        guards against anything that slipped through."""
+        v = self.spec.vocab_size
+        if int(batch.lengths_J.sum()) != batch.num_tokens or bool((batch.lengths_J < 2).any()):
+            raise ValueError(
+                "batch lengths do not add up to its tokens, or a job is shorter than 2"
+            )
+        for name, ids in (("input_ids", batch.input_ids_T), ("labels", batch.labels_RW)):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
+                raise ValueError(f"{name} hold ids outside the vocabulary [0, {v})")
+
     @torch.inference_mode()
     def hidden_states(self, batch: BatchTensors) -> torch.Tensor:
         """Final hidden states [T, H] of the packed batch (documents attend only to

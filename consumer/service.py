@@ -7,6 +7,7 @@ import torch
 
 from consumer import cpu_compat
 from consumer.batching import batch_from_jobs
+from consumer.faults import FaultInjector
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.scoring import Scorer
@@ -32,7 +33,10 @@ def build_scorer(settings: Settings, layout: ParallelLayout) -> tuple[Scorer, st
     dtype = _DTYPES[settings.model.dtype]
     path = settings.model.path
     if path is None:
+        from consumer.checkpoints import check_parallel
+
         spec = TINY
+        check_parallel(spec, layout.tp)
         model = build_model(
             spec, layout, params_dtype=dtype, device=device, seed=settings.model.seed
         )
@@ -68,11 +72,14 @@ def run(settings: Settings) -> int:
     structlog.contextvars.bind_contextvars(
         rank=layout.rank, tp_rank=layout.tp_rank, dp_rank=layout.dp_rank
     )
+    faults = FaultInjector(
+        settings.consumer.crash_at, raise_at=settings.consumer.raise_at, rank=layout.rank
+    )
     try:
         scorer, version = build_scorer(settings, layout)
         warmup(scorer)
         if not layout.is_leader:
-            follow(scorer)
+            follow(scorer, faults)
             return 0
         from shared.redis_server import connect
         from shared.storage import ObjectStore
@@ -92,6 +99,7 @@ def run(settings: Settings) -> int:
             store=store,
             model_version=version,
             stop=stop,
+            faults=faults,
         )
         leader.run()
         return 0

@@ -1,35 +1,47 @@
 """The consumer loop: claim jobs from the stream, score them, store results, acknowledge.
 
-Only the leader rank of a replica talks to Redis. Per iteration it:
-1. reads entries: first its own pending list (ID 0, work it held before a restart), then new
-   ones (`>`, XREADGROUP BLOCK), and periodically entries idle past the visibility timeout
-   that died with other consumers (XAUTOCLAIM with a kept cursor);
-2. decodes them; invalid entries and entries delivered too often go to the dead-letter stream
-   at once; jobs that already have a result are acknowledged without recomputing;
-3. packs the rest into token-budgeted micro-batches, broadcasts each to its TP peers, and scores;
-4. writes each result (bulk arrays to object storage first), announces it and XACKs, in one
-   atomic script — a crash anywhere before that means a redelivery, never a loss.
+Only the leader rank of a replica talks to Redis. Per batch it:
+1. takes entries from the claimer (own pending list, then idle entries of dead consumers,
+   then new ones) — on a prefetch thread, so the next batch is claimed while the device
+   computes;
+2. decodes them: invalid entries and entries delivered more than `max_deliveries` times go to
+   the dead-letter stream at once; jobs that already have a result are acknowledged without
+   recomputing;
+3. packs the rest into token-budgeted micro-batches, broadcasts each to its TP peers, and the
+   group scores it; a failure on any rank is agreed by the whole group, the batch is split and
+   each job retried alone, and a job that fails alone is dead-lettered with its reason;
+4. hands each result to background writers: bulk arrays to object storage, then one atomic
+   script writes the record, announces it and XACKs. A crash anywhere before that means a
+   redelivery, never a loss.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
+import queue
 import signal
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 import structlog
+import torch
+import torch.distributed as dist
 
 from consumer.batching import BatchTensors, batch_from_jobs, broadcast_batch, plan_microbatches
+from consumer.claims import Claimer, Entry
+from consumer.faults import FaultInjector
+from consumer.heartbeat import Heartbeat
+from consumer.preflight import check_redis
 from consumer.scoring import Scorer
+from consumer.writer import ResultWriter, WriteTask
 from shared import keys
 from shared.errors import InvalidJob
 from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
-from shared.results import encode_record
 from shared.settings import Settings
 from shared.storage import ObjectStore
 from shared.streams import Streams
@@ -40,7 +52,7 @@ log = structlog.get_logger("teacherq.consumer")
 
 @dataclass
 class StopFlag:
-    """Set by the first SIGTERM/SIGINT (finish the batch in hand, then exit); a second signal
+    """Set by the first SIGTERM/SIGINT (finish the work in hand, then exit); a second signal
     exits at once."""
 
     requested: bool = False
@@ -69,7 +81,54 @@ class Counters:
     duplicates_skipped: int = 0
     tokens: int = 0
     batches: int = 0
+    busy_s: float = 0.0  # time the device spent scoring
+    wait_s: float = 0.0  # time the loop waited for work while jobs were queued
     extra: dict[str, int] = field(default_factory=dict)
+
+
+class GroupFailure(RuntimeError):
+    """Some rank of the TP group failed on a batch; every rank knows."""
+
+
+def _agree(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True only if every rank of the group is ok (one tiny all-reduce)."""
+    if group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def score_agreed(scorer: Scorer, batch: BatchTensors, faults: FaultInjector) -> list[dict]:
+    """Score a batch on every rank of the group, agreeing on failure.
+
+    Each rank checks the batch first (and fault injection fires here); the group computes only
+    if every rank is ready, and reports success only if every rank finished. A failure is
+    raised as GroupFailure on all ranks alike, so no rank is left waiting in a collective for a
+    peer that gave up. (A rank that dies inside the model's own collectives is caught by the
+    process group's timeout instead.)
+    """
+    group, device = scorer.layout.tp_group, scorer.device
+    error: BaseException | None = None
+    try:
+        faults.check_batch()
+        scorer.check(batch)
+    except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
+        error = exc
+    if not _agree(error is None, group, device):
+        raise GroupFailure(_describe(error, "a peer rank failed checking the batch")) from error
+    outputs: list[dict] = []
+    try:
+        outputs = scorer.score(batch)
+    except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
+        error = exc
+    if not _agree(error is None, group, device):
+        raise GroupFailure(_describe(error, "a peer rank failed scoring the batch")) from error
+    return outputs
+
+
+def _describe(error: BaseException | None, fallback: str) -> str:
+    return f"{type(error).__name__}: {error}" if error else fallback
 
 
 class Leader:
@@ -84,18 +143,19 @@ class Leader:
         store: ObjectStore,
         model_version: str,
         stop: StopFlag,
+        faults: FaultInjector,
     ) -> None:
         self.s = settings
+        self.c = settings.consumer
         self.scorer = scorer
         self.r = client
         self.store = store
         self.model_version = model_version
         self.stop = stop
+        self.faults = faults
         self.queue = settings.queue.name
         self.streams = Streams(client, self.queue, settings.queue.group)
-        self.name = settings.consumer.name or (
-            f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
-        )
+        self.name = self.c.name or f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
         self.limits = Limits(
             max_input_tokens=settings.queue.max_input_tokens,
             max_label_width=settings.queue.max_label_width,
@@ -104,155 +164,155 @@ class Leader:
             vocab_size=scorer.spec.vocab_size,
         )
         self.counters = Counters()
-        self._claim_cursor = "0-0"
-        self._last_claim = 0.0
-        self._own_pending_done = False
+        self.claimer = Claimer(
+            self.streams, self.name, visibility_timeout_s=self.c.visibility_timeout_s,
+            block_ms=self.c.block_ms,
+        )  # fmt: skip
+        self.heartbeat = Heartbeat(
+            client=client,
+            key=keys.consumers_key(self.queue),
+            name=self.name,
+            claimer=self.claimer,
+            interval_s=self.c.heartbeat_interval_s,
+            job_timeout_s=self.c.job_timeout_s,
+            describe=self._describe,
+        )
+        self.writer = ResultWriter(
+            streams=self.streams,
+            store=store,
+            queue=self.queue,
+            inline_max_bytes=settings.queue.inline_max_bytes,
+            ttl_s=settings.queue.result_ttl_s,
+            threads=self.c.store_threads,
+            faults=faults,
+            on_done=self._written,
+        )
+        self._counter_lock = threading.Lock()
+        self._next_janitor = 0.0
+
+    def _describe(self) -> dict:
+        c = self.counters
+        return {
+            "model_version": self.model_version,
+            "layout": self.scorer.layout.describe(),
+            "jobs_done": c.jobs_done,
+            "jobs_failed": c.jobs_failed,
+            "tokens": c.tokens,
+            "reclaimed": self.claimer.stats.reclaimed,
+            "deleted_entries": self.claimer.stats.deleted,
+        }
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve until stopped; the batch in hand is always finished, stored and acked."""
+        """Serve until stopped; every claimed entry is finished, stored and acked first."""
+        check_redis(self.r, policy=self.c.durable_redis)
         self.streams.ensure_group()
         self.r.hset(
             keys.model_key(self.queue),
             mapping={"vocab_size": self.scorer.spec.vocab_size, "version": self.model_version},
         )
-        self._heartbeat("ready")
+        self.heartbeat.start()
+        self.heartbeat.state = "ready"
         log.info("consumer.ready", consumer=self.name, model_version=self.model_version)
+        fetcher = Prefetcher(self._fetch, depth=self.c.prefetch_batches, stop=self.stop)
         try:
-            while not self.stop.requested:
-                entries = self._next_entries()
+            while True:
+                entries = fetcher.get(timeout_s=self.c.block_ms / 1000)
+                if entries is None:  # stopped and nothing left in hand
+                    break
                 if entries:
-                    self._heartbeat("busy")
+                    self.heartbeat.state = "busy"
                     self._process(entries)
                 else:
-                    self._heartbeat("ready")
+                    self.heartbeat.state = "draining" if self.stop.requested else "ready"
+                self._maybe_trim()
         finally:
+            self.heartbeat.state = "draining"
+            fetcher.close()
+            self.writer.close()
             broadcast_batch(None, src=self.scorer.layout.leader_rank, group=self._group)
-            self._heartbeat("stopped")
+            self.heartbeat.stop("stopped")
             log.info("consumer.stopped", consumer=self.name, **vars(self.counters))
 
     @property
-    def _group(self):
+    def _group(self) -> dist.ProcessGroup | None:
         return self.scorer.layout.tp_group
 
-    def _heartbeat(self, state: str) -> None:
-        record = {
-            "state": state,
-            "time": time.time(),
-            "model_version": self.model_version,
-            "layout": self.scorer.layout.describe(),
-            "jobs_done": self.counters.jobs_done,
-            "tokens": self.counters.tokens,
-        }
-        self.r.hset(keys.consumers_key(self.queue), self.name, json.dumps(record))
+    def _batch_size(self) -> int:
+        """Jobs per read: a share of the configured total across live replicas, if set."""
+        total = self.c.max_in_flight_total
+        if total is None:
+            return self.c.batch_max_jobs
+        now = time.time()
+        live = 0
+        for raw in self.r.hvals(keys.consumers_key(self.queue)):
+            rec = _json(raw)
+            fresh = now - rec.get("time", 0) < 3 * self.c.heartbeat_interval_s
+            live += fresh and rec.get("state") in ("ready", "busy")
+        return max(1, min(self.c.batch_max_jobs, math.ceil(total / max(live, 1))))
 
-    # -- reading --------------------------------------------------------------------------
-
-    def _next_entries(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        c = self.s.consumer
-        if not self._own_pending_done:
-            # Our own pending list first: entries this consumer name held before a restart.
-            reply = self.r.xreadgroup(
-                self.streams.group, self.name, {self.streams.jobs: "0"}, count=c.batch_max_jobs
-            )
-            entries = reply[0][1] if reply else []
-            entries = [(eid, f) for eid, f in entries if f]  # trimmed entries come back empty
-            if entries:
-                return entries
-            self._own_pending_done = True
-        now = time.monotonic()
-        if now - self._last_claim > c.visibility_timeout_s / 2:
-            self._last_claim = now
-            claimed = self._autoclaim()
-            if claimed:
-                return claimed
-        reply = self.r.xreadgroup(
-            self.streams.group,
-            self.name,
-            {self.streams.jobs: ">"},
-            count=c.batch_max_jobs,
-            block=c.block_ms,
-        )
-        return reply[0][1] if reply else []
-
-    def _autoclaim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Take over entries idle past the visibility timeout (their consumer died)."""
-        c = self.s.consumer
-        cursor, entries, deleted = self.r.xautoclaim(
-            self.streams.jobs,
-            self.streams.group,
-            self.name,
-            min_idle_time=int(c.visibility_timeout_s * 1000),
-            start_id=self._claim_cursor,
-            count=c.batch_max_jobs,
-        )
-        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
-        if deleted:
-            log.warning("claim.deleted_entries", count=len(deleted), ids=deleted[:10])
+    def _fetch(self) -> list[Entry]:
+        """Claim entries (called on the prefetch thread, or inline without prefetch)."""
+        while True:
+            try:
+                entries = self.claimer.next_entries(self._batch_size())
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis restarting: wait for it; the loop resumes on its own.
+                log.warning("claim.redis_unavailable", error=str(exc))
+                if self.stop.requested:
+                    return []
+                time.sleep(1.0)
         if entries:
-            log.info("claim.reclaimed", count=len(entries))
-        return [(eid, f) for eid, f in entries if f]
-
-    def _delivery_counts(self, entry_ids: Sequence[bytes]) -> dict[bytes, int]:
-        if not entry_ids:
-            return {}
-        lo, hi = min(entry_ids), max(entry_ids)
-        rows = self.r.xpending_range(
-            self.streams.jobs, self.streams.group, min=lo, max=hi, count=len(entry_ids) * 4
-        )
-        return {row["message_id"]: int(row["times_delivered"]) for row in rows}
+            self.heartbeat.hold([eid.decode() for eid, _ in entries])
+            self.faults.reached("read")
+        return entries
 
     # -- processing -----------------------------------------------------------------------
 
-    def _process(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _process(self, entries: list[Entry]) -> None:
         batch_id = new_id()
         claimed_at = time.time()
-        deliveries = self._delivery_counts([eid for eid, _ in entries])
+        deliveries = self.claimer.delivery_counts([eid for eid, _ in entries])
         jobs: list[Job] = []
         for eid, fields in entries:
             entry_id = eid.decode()
+            count = deliveries.get(eid, 1)
             try:
                 job = decode_job(entry_id, fields, limits=self.limits)
             except InvalidJob as exc:
-                self._dead_letter(
-                    entry_id,
-                    fields,
-                    reason=str(exc),
-                    exc_type="InvalidJob",
-                    deliveries=deliveries.get(eid, 1),
-                )
+                self._dead_letter(entry_id, fields, reason=str(exc), exc_type="InvalidJob",
+                                  deliveries=count)  # fmt: skip
                 continue
-            if deliveries.get(eid, 1) > self.s.consumer.max_deliveries:
-                self._dead_letter(
-                    entry_id,
-                    fields,
-                    exc_type="TooManyDeliveries",
-                    reason=f"delivered {deliveries[eid]} times, more than "
-                    f"consumer.max_deliveries={self.s.consumer.max_deliveries}",
-                    deliveries=deliveries[eid],
+            if count > self.c.max_deliveries:
+                reason = (
+                    f"delivered {count} times, more than consumer.max_deliveries="
+                    f"{self.c.max_deliveries} (the job crashed, hung or timed out each time)"
                 )
+                self._dead_letter(entry_id, fields, reason=reason,
+                                  exc_type="TooManyDeliveries", deliveries=count)  # fmt: skip
                 continue
             jobs.append(job)
         jobs = self._skip_finished(jobs)
-        for group in plan_microbatches(jobs, token_budget=self.s.consumer.token_budget):
+        for group in plan_microbatches(jobs, token_budget=self.c.token_budget):
             self._score_and_store(group, batch_id=batch_id, claimed_at=claimed_at)
 
     def _skip_finished(self, jobs: list[Job]) -> list[Job]:
-        """Acknowledge, without computing, jobs that already have a result record or that
-        appear twice in this read (a retried XADD); the first entry of a job id computes it."""
+        """Acknowledge, without computing, jobs that already have a result record (done,
+        failed or cancelled) or that appear twice in this read (a retried XADD)."""
         if not jobs:
             return jobs
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
             pipe.exists(keys.result_key(self.queue, job.job_id))
-        todo = []
-        seen: set[str] = set()
+        todo, seen = [], set()
         for job, exists in zip(jobs, pipe.execute(), strict=True):
             if exists or job.job_id in seen:
                 self.streams.ack(job.entry_id, tokens=job.counted_tokens)
+                self.heartbeat.release(job.entry_id)
                 self.counters.duplicates_skipped += 1
-                log.info("job.duplicate_skipped", job_id=job.job_id)
+                log.info("job.duplicate_skipped", job_id=job.job_id, entry_id=job.entry_id)
             else:
                 seen.add(job.job_id)
                 todo.append(job)
@@ -261,20 +321,24 @@ class Leader:
     def _score_and_store(self, jobs: list[Job], *, batch_id: str, claimed_at: float) -> None:
         batch = batch_from_jobs(jobs)
         t0 = time.perf_counter()
+        self.heartbeat.batch_started = time.monotonic()
         try:
-            with span("batch.forward", batch_id=batch_id, jobs=len(jobs), tokens=batch.num_tokens):
-                outputs = self._score(batch)
+            with span("batch", batch_id=batch_id, jobs=len(jobs), tokens=batch.num_tokens):
+                broadcast_batch(batch, src=self.scorer.layout.leader_rank, group=self._group)
+                self.faults.reached("compute")
+                outputs = score_agreed(self.scorer, batch, self.faults)
         except Exception as exc:  # noqa: BLE001 - loop boundary: a batch failure must not kill us
-            log.exception("batch.failed", batch_id=batch_id, jobs=len(jobs))
-            if len(jobs) > 1:  # find the culprit: each job alone
+            log.warning("batch.failed", batch_id=batch_id, jobs=len(jobs), error=_describe(exc, ""))
+            if len(jobs) > 1:  # find the culprit (or get past OOM): each job alone
                 for job in jobs:
                     self._score_and_store([job], batch_id=new_id(), claimed_at=claimed_at)
             else:
-                self._fail(
-                    jobs[0], reason=f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__
-                )
+                self._fail(jobs[0], exc)
             return
-        compute_ms = (time.perf_counter() - t0) * 1000
+        finally:
+            self.heartbeat.batch_started = None
+        compute_s = time.perf_counter() - t0
+        self.counters.busy_s += compute_s
         self.counters.batches += 1
         for job, arrays in zip(jobs, outputs, strict=True):
             result = TeacherResult(
@@ -283,43 +347,36 @@ class Leader:
                 metadata=job.request.metadata,
                 timings={
                     "queue_wait_ms": round(max(0.0, claimed_at - job.submitted_at) * 1000, 3),
-                    "batch_compute_ms": round(compute_ms, 3),
+                    "batch_compute_ms": round(compute_s * 1000, 3),
                 },
                 **arrays,
             )
-            with span("store", carrier=job.request.trace, job_id=job.job_id, batch_id=batch_id):
-                record = encode_record(
-                    result,
-                    queue=self.queue,
-                    store=self.store,
-                    inline_max_bytes=self.s.queue.inline_max_bytes,
-                )
-                self.streams.complete(
-                    job_id=job.job_id,
+            self.writer.submit(
+                WriteTask(
+                    result=result,
                     entry_id=job.entry_id,
-                    status="ok",
-                    record=record,
-                    ttl_s=self.s.queue.result_ttl_s,
                     tokens=job.counted_tokens,
-                )
-            self.counters.jobs_done += 1
-            self.counters.tokens += job.request.num_tokens
-        log.info(
-            "batch.done",
-            batch_id=batch_id,
-            jobs=len(jobs),
-            tokens=batch.num_tokens,
-            compute_ms=round(compute_ms, 2),
-            total_ms=round((time.perf_counter() - t0) * 1000, 2),
-        )
+                    trace=job.request.trace,
+                    batch_id=batch_id,
+                )  # fmt: skip
+            )
+        log.info("batch.done", batch_id=batch_id, jobs=len(jobs), tokens=batch.num_tokens,
+                 compute_ms=round(compute_s * 1000, 2))  # fmt: skip
 
-    def _score(self, batch: BatchTensors) -> list[dict]:
-        broadcast_batch(batch, src=self.scorer.layout.leader_rank, group=self._group)
-        return self.scorer.score(batch)
+    def _written(self, task: WriteTask, wrote: bool) -> None:
+        self.heartbeat.release(task.entry_id)
+        with self._counter_lock:
+            if task.status == "ok":
+                self.counters.jobs_done += wrote
+                self.counters.tokens += task.tokens if wrote else 0
+            else:
+                self.counters.jobs_failed += wrote
 
-    def _fail(self, job: Job, *, reason: str, exc_type: str) -> None:
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        cause = exc.__cause__ or exc
         fields = {b"job_id": job.job_id.encode(), b"n_tokens": str(job.counted_tokens).encode()}
-        self._dead_letter(job.entry_id, fields, reason=reason, exc_type=exc_type, deliveries=1)
+        self._dead_letter(job.entry_id, fields, reason=_describe(exc, "failed"),
+                          exc_type=type(cause).__name__, deliveries=1)  # fmt: skip
 
     def _dead_letter(
         self,
@@ -347,30 +404,131 @@ class Leader:
         }
         for k, v in fields.items():  # the original payload, field by field
             dead[f"orig:{k.decode(errors='replace')}"] = v
-        record = encode_record(
-            TeacherResult(job_id=job_id, model_version=self.model_version, error=reason),
-            queue=self.queue,
-            store=None,
-            inline_max_bytes=0,
+        result = TeacherResult(job_id=job_id, model_version=self.model_version, error=reason)
+        self.writer.write_now(
+            WriteTask(
+                result=result,
+                entry_id=entry_id,
+                tokens=entry_tokens(fields),
+                status="failed",
+                dead_letter=dead,
+            )  # fmt: skip
         )
-        self.streams.complete(
-            job_id=job_id,
-            entry_id=entry_id,
-            status="failed",
-            record=record,
-            ttl_s=self.s.queue.result_ttl_s,
-            tokens=entry_tokens(fields),
-            dead_letter=dead,
-        )
-        self.counters.jobs_failed += 1
         log.warning("job.dead_lettered", job_id=job_id, entry_id=entry_id, reason=reason)
 
+    # -- retention ------------------------------------------------------------------------
 
-def follow(scorer: Scorer) -> None:
+    def _maybe_trim(self) -> None:
+        now = time.monotonic()
+        if now < self._next_janitor:
+            return
+        self._next_janitor = now + self.c.janitor_interval_s
+        try:
+            trimmed = trim_acknowledged(self.r, self.streams.jobs)
+        except redis.RedisError as exc:
+            log.warning("janitor.failed", error=str(exc))
+            return
+        if trimmed:
+            log.info("janitor.trimmed", stream=self.streams.jobs, entries=trimmed)
+
+
+def trim_acknowledged(r: redis.Redis, stream: str) -> int:
+    """Trim a stream below the oldest entry any group still needs; returns entries removed.
+
+    An entry is still needed while it is pending in some group or not yet delivered to some
+    group, so the cut is the minimum over groups of (oldest pending id, first undelivered id).
+    Trimming with MINID never removes an entry at or above the cut: no unacknowledged work is
+    ever deleted.
+    """
+    groups = r.xinfo_groups(stream)
+    if not groups:
+        return 0
+    cuts = []
+    for g in groups:
+        summary = r.xpending(stream, g["name"])
+        if summary["pending"]:
+            cuts.append(_id_tuple(summary["min"]))
+        ms, seq = _id_tuple(g["last-delivered-id"])
+        cuts.append((ms, seq + 1))
+    ms, seq = min(cuts)
+    return int(r.xtrim(stream, minid=f"{ms}-{seq}", approximate=False))
+
+
+def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _json(raw: bytes) -> dict:
+    import json
+
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class Prefetcher:
+    """Claims the next batch on a background thread while the current one computes.
+
+    With depth 0 the loop claims inline. On stop, the thread stops claiming, and everything
+    it already claimed is still handed out (and so finished) before `get` returns None.
+    """
+
+    _DONE = object()
+
+    def __init__(self, fetch: Callable[[], list[Entry]], *, depth: int, stop: StopFlag) -> None:
+        self.fetch = fetch
+        self.stop = stop
+        self.depth = depth
+        self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name="tq-prefetch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.requested:
+                entries = self.fetch()
+                if entries:
+                    self._q.put(entries)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, re-raised there
+            self._error = exc
+        finally:
+            self._q.put(self._DONE)
+
+    def get(self, *, timeout_s: float) -> list[Entry] | None:
+        """The next claimed entries, [] if none arrived in time, None once stopped and empty."""
+        if self._thread is None:
+            return None if self.stop.requested else self.fetch()
+        try:
+            item = self._q.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        if item is self._DONE:
+            if self._error is not None:
+                raise self._error
+            return None
+        return item
+
+    def close(self) -> None:
+        """Wait for the thread to notice the stop flag."""
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def follow(scorer: Scorer, faults: FaultInjector) -> None:
     """A non-leader rank: score whatever the leader broadcasts until it signals stop."""
     layout = scorer.layout
     while True:
         batch = broadcast_batch(None, src=layout.leader_rank, group=layout.tp_group)
         if batch is None:
             return
-        scorer.score(batch)
+        try:
+            score_agreed(scorer, batch, faults)
+        except GroupFailure as exc:
+            log.warning("batch.failed", rank=layout.rank, error=str(exc))

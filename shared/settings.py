@@ -67,6 +67,19 @@ class QueueSettings(_Section):
     result_ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
     """How long result records stay in Redis."""
 
+    max_pending_tokens: int = Field(default=50_000_000, ge=1)
+    """Backpressure: submit waits (or raises) while the queue holds more tokens than this."""
+
+    backpressure: Literal["block", "raise"] = "block"
+    """What submit does above max_pending_tokens: block until there is room, or raise."""
+
+    backpressure_timeout_s: float = Field(default=600.0, gt=0)
+    """How long a blocked submit waits for room before raising."""
+
+    max_replays: int = Field(default=3, ge=0)
+    """How often one job may be replayed from the dead-letter stream (stops endless
+    re-poisoning); `--force` overrides."""
+
     @field_validator("name", "group")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -130,7 +143,47 @@ class ConsumerSettings(_Section):
     """XREADGROUP BLOCK time; also how often the stop flag is checked when idle."""
 
     visibility_timeout_s: float = Field(default=300.0, gt=0)
-    """An entry pending this long with a consumer is taken over by another one."""
+    """An entry idle this long is taken over by another consumer. A live consumer refreshes
+    its in-flight entries every heartbeat, so only entries of dead or stuck consumers idle."""
+
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    """How often a consumer records its heartbeat and refreshes its in-flight entries."""
+
+    job_timeout_s: float = Field(default=600.0, gt=0)
+    """A batch running longer than this is considered hung: the consumer stops refreshing its
+    entries and exits (a supervisor restarts it), so the entries are redelivered elsewhere."""
+
+    prefetch_batches: int = Field(default=1, ge=0)
+    """Batches read ahead while the device computes (0: no overlap)."""
+
+    store_threads: int = Field(default=2, ge=1)
+    """Background threads that upload results, write records and acknowledge."""
+
+    max_in_flight_total: int | None = Field(default=None, ge=1)
+    """If set, the jobs in flight across all live replicas of the queue: each replica reads at
+    most ceil(total / live replicas) jobs per batch (never more than batch_max_jobs)."""
+
+    durable_redis: Literal["refuse", "warn"] = "refuse"
+    """Start-up check of the Redis server: AOF must be on and maxmemory-policy noeviction;
+    refuse to start, or only warn."""
+
+    janitor_interval_s: float = Field(default=60.0, gt=0)
+    """How often the leader trims acknowledged entries off the jobs stream."""
+
+    sleep_after_idle_s: float = Field(default=0.0, ge=0)
+    """Offload weights to host memory after this long without work (0: never); new work or a
+    weight update wakes the consumer."""
+
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the Prometheus /metrics and /healthz endpoint (0: off)."""
+
+    crash_at: str | None = None
+    """Fault injection for tests only: `<point>:<n>` makes the process exit abruptly
+    (os._exit) at the n-th time it reaches point read, compute, stored or acked."""
+
+    raise_at: str | None = None
+    """Fault injection for tests only: `<rank>:<n>` makes that global rank raise while checking
+    its n-th batch (the group must agree on the failure, not hang)."""
 
     max_deliveries: int = Field(default=3, ge=1)
     """An entry delivered more often than this goes to the dead-letter stream."""

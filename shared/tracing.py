@@ -4,23 +4,76 @@ A span binds `trace_id`, `span_id` and `parent_span_id` into structlog's context
 duration, so every log line inside it carries them. A trace crosses processes through a small
 carrier dict (`{"trace_id": ..., "span_id": ...}`) that travels inside the TeacherRequest.
 Phases measured inside one call can be attached afterwards as children with explicit offsets
-(`Span.child`), e.g. the h2d / forward / head / d2h phases of a batch.
+(`Span.child`), e.g. the h2d / forward / head / d2h phases of a batch; phases measured at known
+wall-clock times (a job's queue wait) are recorded with `record`.
+
+Every finished span becomes a record (a plain dict, see `SpanRecord`) handed to the span sink,
+if one is configured (`configure_sink`, once in `main()`); `shared.spans.RedisSpanSink` stores
+them so `teacherq trace` can rebuild a job's tree from every process it crossed. This module
+knows nothing about Redis: a sink is any callable taking one record.
+
+Usage::
+
+    with span("submit", job_id=job_id) as s:          # context manager
+        ...
+    async with span("fetch"):                         # async context manager
+        ...
+    @span("store")                                    # decorator, sync or async
+    def store(...): ...
+    pool.submit(propagate(fn), ...)                   # keep the current span in a thread
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import os
 import secrets
+import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import structlog
 
 F = TypeVar("F", bound=Callable[..., Any])
 _log = structlog.get_logger("teacherq.trace")
+
+# A record as handed to the sink: trace_id, span_id, parent_span_id (None for a root), name,
+# start_time (unix seconds), duration_ms, attrs (dict), pid, host, and when known rank,
+# process, error (str) and remote_parent (True when the parent ran elsewhere, so the span
+# need not lie inside its parent's interval: a consumer's work follows a producer's submit).
+SpanRecord = dict[str, Any]
+SpanSink = Callable[[SpanRecord], None]
+
+# The keys a span binds into structlog's context; attrs named like these are also bound so
+# every log line inside a job's or batch's span names it.
+_CONTEXT_ATTRS = ("job_id", "batch_id")
+
+# Names a span's own fields use in its log events and records; an attribute may not shadow them.
+_RESERVED = frozenset(
+    {"event", "trace_id", "span_id", "parent_span_id", "start_time", "duration_ms", "error"}
+)
+
+
+def _check_attrs(name: str, attrs: dict[str, Any]) -> None:
+    clash = _RESERVED.intersection(attrs)
+    if clash:
+        raise ValueError(f"span {name!r}: attribute names {sorted(clash)} are reserved")
+
+
+# One clock per process: wall time at import plus the monotonic time elapsed since, so spans
+# of one process nest exactly (time.time() can step backwards under NTP; perf_counter cannot)
+# while staying comparable with other processes' wall clocks.
+_WALL0 = time.time()
+_PERF0 = time.perf_counter()
+
+
+def now() -> float:
+    """Current time in unix seconds on the span clock; use it for `record` start/end times."""
+    return _WALL0 + (time.perf_counter() - _PERF0)
 
 
 def new_id() -> str:
@@ -31,22 +84,213 @@ def new_id() -> str:
 def current_carrier() -> dict[str, str]:
     """The carrier of the innermost open span (empty outside any span)."""
     ctx = structlog.contextvars.get_contextvars()
-    if "trace_id" not in ctx:
+    if not ctx.get("trace_id") or not ctx.get("span_id"):
         return {}
     return {"trace_id": ctx["trace_id"], "span_id": ctx["span_id"]}
+
+
+# -- the sink ------------------------------------------------------------------------------
+
+
+class _SinkState:
+    """Process-wide sink configuration (set once in main(), read on every finished span)."""
+
+    def __init__(self) -> None:
+        self.sink: SpanSink | None = None
+        self.process: str | None = None
+        self.failures = 0
+        self.lock = threading.Lock()
+
+
+_state = _SinkState()
+_HOST = socket.gethostname()
+
+
+def configure_sink(sink: SpanSink | None, *, process: str | None = None) -> SpanSink | None:
+    """Send every finished span record to `sink` (None: stop recording); returns the previous
+    sink. `process` names this process in records (e.g. "consumer gpu3-dp0"), which trace
+    viewers show instead of host:pid. Call once in main()."""
+    with _state.lock:
+        previous, _state.sink, _state.process = _state.sink, sink, process
+    return previous
+
+
+def sink_failures() -> int:
+    """How many span records the sink raised on (they were dropped, the traced code went on)."""
+    return _state.failures
+
+
+def _emit(record: SpanRecord) -> None:
+    sink = _state.sink
+    if sink is None:
+        return
+    if _state.process:
+        record["process"] = _state.process
+    try:
+        sink(record)
+    except Exception:  # noqa: BLE001 - tracing must never break the traced code; counted
+        _state.failures += 1
+        _log.warning("trace.sink_failed", failures=_state.failures, exc_info=True)
+
+
+def _make_record(
+    *,
+    name: str,
+    trace_id: str,
+    span_id: str,
+    parent_span_id: str | None,
+    start_time: float,
+    duration_ms: float,
+    attrs: dict[str, Any],
+    error: str | None = None,
+    remote_parent: bool = False,
+) -> SpanRecord:
+    rec: SpanRecord = {
+        "trace_id": trace_id,
+        "span_id": span_id,
+        "parent_span_id": parent_span_id,
+        "name": name,
+        "start_time": round(start_time, 6),
+        "duration_ms": duration_ms,
+        "attrs": attrs,
+        "pid": os.getpid(),
+        "host": _HOST,
+    }
+    rank = structlog.contextvars.get_contextvars().get("rank")
+    if rank is not None:
+        rec["rank"] = rank
+    if error is not None:
+        rec["error"] = error
+    if remote_parent:
+        rec["remote_parent"] = True
+    return rec
+
+
+# -- finished spans -------------------------------------------------------------------------
+
+
+class SpanRef:
+    """A finished span (a child or a recorded span): carries its identity so more children
+    can hang under it, at offsets from its start."""
+
+    def __init__(
+        self, name: str, trace_id: str, span_id: str, start_time: float, end_time: float
+    ) -> None:
+        self.name = name
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.start_time = start_time
+        self.end_time = end_time
+
+    @property
+    def carrier(self) -> dict[str, str]:
+        """Carrier that makes other work a child of this span."""
+        return {"trace_id": self.trace_id, "span_id": self.span_id}
+
+    def child(self, name: str, *, start_s: float, end_s: float, **attrs: Any) -> SpanRef:
+        """Record a child at offsets (seconds) from this span's start; returns it."""
+        return _finished(
+            name,
+            trace_id=self.trace_id,
+            parent=self.span_id,
+            start_time=self.start_time + start_s,
+            end_time=self.start_time + end_s,
+            attrs=attrs,
+            level="info",
+        )
+
+
+def _finished(
+    name: str,
+    *,
+    trace_id: str,
+    parent: str | None,
+    start_time: float,
+    end_time: float,
+    attrs: dict[str, Any],
+    level: str,
+    remote_parent: bool = False,
+) -> SpanRef:
+    _check_attrs(name, attrs)
+    if end_time < start_time:
+        raise ValueError(f"span {name!r} ends before it starts ({end_time} < {start_time})")
+    ref = SpanRef(name, trace_id, new_id(), start_time, end_time)
+    duration = round((end_time - start_time) * 1000, 3)
+    getattr(_log, level)(
+        f"{name}.span",
+        trace_id=trace_id,
+        span_id=ref.span_id,
+        parent_span_id=parent,
+        start_time=start_time,
+        duration_ms=duration,
+        **attrs,
+    )
+    _emit(
+        _make_record(
+            name=name,
+            trace_id=trace_id,
+            span_id=ref.span_id,
+            parent_span_id=parent,
+            start_time=start_time,
+            duration_ms=duration,
+            attrs=attrs,
+            remote_parent=remote_parent,
+        )
+    )
+    return ref
+
+
+def record(
+    name: str,
+    *,
+    start_time: float,
+    end_time: float,
+    carrier: dict[str, str] | None = None,
+    **attrs: Any,
+) -> SpanRef:
+    """Record a span that already happened, at wall-clock times (unix seconds, e.g. from
+    `now()` or a job's `submitted_at`), under `carrier` (a remote parent) or else the current
+    span. Logged at debug level as `<name>.span`: a consumer records several per job."""
+    if carrier and carrier.get("trace_id"):
+        trace_id, parent, remote = carrier["trace_id"], carrier.get("span_id"), True
+    else:
+        here = current_carrier()
+        trace_id, parent, remote = here.get("trace_id") or new_id(), here.get("span_id"), False
+    return _finished(
+        name,
+        trace_id=trace_id,
+        parent=parent,
+        start_time=start_time,
+        end_time=end_time,
+        attrs=attrs,
+        level="debug",
+        remote_parent=remote,
+    )
+
+
+# -- open spans -----------------------------------------------------------------------------
 
 
 class Span:
     """An open span; use `span()` to create one."""
 
-    def __init__(self, name: str, trace_id: str, parent: str | None, attrs: dict[str, Any]):
+    def __init__(
+        self,
+        name: str,
+        trace_id: str,
+        parent: str | None,
+        attrs: dict[str, Any],
+        *,
+        remote_parent: bool = False,
+    ) -> None:
         self.name = name
         self.trace_id = trace_id
         self.span_id = new_id()
         self.parent_span_id = parent
         self.attrs = attrs
-        self.start_wall = time.time()
+        self.remote_parent = remote_parent
         self._start = time.perf_counter()
+        self.start_wall = _WALL0 + (self._start - _PERF0)
 
     @property
     def carrier(self) -> dict[str, str]:
@@ -55,67 +299,169 @@ class Span:
 
     def set(self, **attrs: Any) -> None:
         """Add attributes reported on the `.end` event."""
+        _check_attrs(self.name, attrs)
         self.attrs.update(attrs)
 
-    def child(self, name: str, *, start_s: float, end_s: float, **attrs: Any) -> None:
-        """Record a child measured inside this span, at offsets (seconds) from its start."""
-        _log.info(
-            f"{name}.span",
+    def elapsed(self) -> float:
+        """Seconds since this span started: take offsets for `child` with it."""
+        return time.perf_counter() - self._start
+
+    def child(self, name: str, *, start_s: float, end_s: float, **attrs: Any) -> SpanRef:
+        """Record a child measured inside this span, at offsets (seconds) from its start;
+        returns it, so grandchildren (a rank's phases under its rank span) can follow."""
+        return _finished(
+            name,
             trace_id=self.trace_id,
-            span_id=new_id(),
-            parent_span_id=self.span_id,
+            parent=self.span_id,
             start_time=self.start_wall + start_s,
-            duration_ms=round((end_s - start_s) * 1000, 3),
-            **attrs,
+            end_time=self.start_wall + end_s,
+            attrs=attrs,
+            level="info",
         )
 
 
-@contextmanager
-def span(name: str, *, carrier: dict[str, str] | None = None, **attrs: Any) -> Iterator[Span]:
-    """Open a span named `name`: logs `<name>.start`, then `<name>.end` with duration_ms and
-    the error if the body raised. With `carrier`, the span continues a remote trace."""
-    ctx = structlog.contextvars.get_contextvars()
-    if carrier and "trace_id" in carrier:
-        trace_id, parent = carrier["trace_id"], carrier.get("span_id")
-    else:
-        trace_id, parent = ctx.get("trace_id") or new_id(), ctx.get("span_id")
-    s = Span(name, trace_id, parent, dict(attrs))
-    tokens = structlog.contextvars.bind_contextvars(
-        trace_id=trace_id, span_id=s.span_id, parent_span_id=parent
-    )
-    _log.debug(f"{name}.start", start_time=s.start_wall, **attrs)
-    error: BaseException | None = None
-    try:
-        yield s
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
+_MISSING = object()
+
+
+class _SpanScope:
+    """What `span()` returns: a (sync or async) context manager and a decorator. Each `with`
+    or decorated call opens a fresh Span."""
+
+    def __init__(
+        self, name: str, carrier: dict[str, str] | None, root: bool, attrs: dict[str, Any]
+    ) -> None:
+        self._name = name
+        self._carrier = carrier
+        self._root = root
+        self._attrs = attrs
+        # (span, tokens, previous values) per entry, innermost last: one scope object may be
+        # entered again while open (recursion through a decorated function).
+        self._open: list[tuple[Span, dict[str, contextvars.Token[Any]], dict[str, Any]]] = []
+
+    # -- context manager
+
+    def __enter__(self) -> Span:
+        ctx = structlog.contextvars.get_contextvars()
+        carrier = self._carrier
+        if carrier and carrier.get("trace_id"):
+            trace_id, parent, remote = carrier["trace_id"], carrier.get("span_id"), True
+        elif self._root:
+            trace_id, parent, remote = new_id(), None, False
+        else:
+            trace_id, parent, remote = ctx.get("trace_id") or new_id(), ctx.get("span_id"), False
+        s = Span(self._name, trace_id, parent, dict(self._attrs), remote_parent=remote)
+        bind: dict[str, Any] = {"trace_id": trace_id, "span_id": s.span_id}
+        bind["parent_span_id"] = parent
+        bind.update({k: self._attrs[k] for k in _CONTEXT_ATTRS if k in self._attrs})
+        previous = {k: ctx.get(k, _MISSING) for k in bind}
+        tokens = structlog.contextvars.bind_contextvars(**bind)
+        self._open.append((s, dict(tokens), previous))
+        _log.debug(f"{self._name}.start", start_time=s.start_wall, **self._attrs)
+        return s
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
+        s, tokens, previous = self._open.pop()
         duration = round((time.perf_counter() - s._start) * 1000, 3)
-        extra = {"error": f"{type(error).__name__}: {error}"} if error else {}
-        _log.info(f"{name}.end", start_time=s.start_wall, duration_ms=duration, **s.attrs, **extra)
-        structlog.contextvars.reset_contextvars(**tokens)
+        error = None
+        if exc is not None:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        extra = {"error": error} if error else {}
+        level = "warning" if error else "info"
+        # One dict: attrs set late through Span.set() must not collide with our own fields.
+        fields = {**s.attrs, "start_time": s.start_wall, "duration_ms": duration, **extra}
+        getattr(_log, level)(f"{s.name}.end", **fields)
+        _emit(
+            _make_record(
+                name=s.name,
+                trace_id=s.trace_id,
+                span_id=s.span_id,
+                parent_span_id=s.parent_span_id,
+                start_time=s.start_wall,
+                duration_ms=duration,
+                attrs=dict(s.attrs),
+                error=error,
+                remote_parent=s.remote_parent,
+            )
+        )
+        _restore(tokens, previous)
 
+    async def __aenter__(self) -> Span:
+        return self.__enter__()
 
-def traced(name: str | None = None, **attrs: Any) -> Callable[[F], F]:
-    """Decorator form of `span` for sync and async functions."""
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
 
-    def wrap(fn: F) -> F:
-        span_name = name or fn.__qualname__
+    # -- decorator
+
+    def __call__(self, fn: F) -> F:
+        """Wrap `fn` (sync or async) so each call runs in a new span of this name."""
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # A generator would leave the span bound in its caller's context between yields.
+            raise TypeError(f"span cannot decorate generator {fn.__qualname__}; open it inside")
+        name, carrier, root, attrs = self._name, self._carrier, self._root, self._attrs
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def async_inner(*args: Any, **kwargs: Any) -> Any:
-                with span(span_name, **attrs):
+                async with _SpanScope(name, carrier, root, attrs):
                     return await fn(*args, **kwargs)
 
             return async_inner  # type: ignore[return-value]  # same signature as fn
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            with span(span_name, **attrs):
+            with _SpanScope(name, carrier, root, attrs):
                 return fn(*args, **kwargs)
 
         return inner  # type: ignore[return-value]  # same signature as fn
 
+
+def _restore(tokens: dict[str, contextvars.Token[Any]], previous: dict[str, Any]) -> None:
+    """Undo a span's bindings. Tokens only reset in the context that made them; a span closed
+    elsewhere (an async generator finalized by another task) falls back to the saved values."""
+    try:
+        structlog.contextvars.reset_contextvars(**tokens)
+    except ValueError:
+        gone = [k for k, v in previous.items() if v is _MISSING]
+        structlog.contextvars.unbind_contextvars(*gone)
+        structlog.contextvars.bind_contextvars(
+            **{k: v for k, v in previous.items() if v is not _MISSING}
+        )
+
+
+def span(
+    name: str, *, carrier: dict[str, str] | None = None, root: bool = False, **attrs: Any
+) -> _SpanScope:
+    """Open a span named `name`: logs `<name>.start`, then `<name>.end` with duration_ms and
+    the error if the body raised (the exception propagates), and hands the finished record to
+    the sink. Use as `with`, `async with`, or as a decorator of a sync or async function.
+
+    With `carrier`, the span continues a remote trace (its parent ran in another process);
+    with `root=True` it starts a new trace even inside another span (a batch shared by many
+    jobs' traces). `job_id` / `batch_id` attrs are also bound into the log context.
+    """
+    _check_attrs(name, attrs)
+    return _SpanScope(name, carrier, root, attrs)
+
+
+def traced(name: str | None = None, **attrs: Any) -> Callable[[F], F]:
+    """Decorator form of `span` for sync and async functions (name defaults to the
+    function's qualified name)."""
+
+    def wrap(fn: F) -> F:
+        return span(name or fn.__qualname__, **attrs)(fn)
+
     return wrap
+
+
+def propagate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `fn` to run in a copy of the current context, so spans opened in another thread
+    (threading.Thread, ThreadPoolExecutor, which do not copy contexts) nest under the span
+    open here. Each call gets its own copy: one callable may run in many threads at once."""
+    ctx = contextvars.copy_context()
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return ctx.copy().run(fn, *args, **kwargs)
+
+    return inner

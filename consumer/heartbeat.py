@@ -1,0 +1,108 @@
+"""The consumer's heartbeat thread: liveness for others, and a watchdog for itself.
+
+Every `interval_s` it (1) records this consumer's state in the queue's consumers hash, (2)
+refreshes the idle time of every entry the consumer holds, so the reclaim loop of other
+consumers never takes work from a live, slow one, and (3) checks the batch in hand: one running
+longer than `job_timeout_s` is hung, so the thread stops refreshing and exits the process —
+its entries then idle out and are redelivered elsewhere (up to the dead-letter limit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import structlog
+
+from consumer.claims import Claimer
+
+log = structlog.get_logger("teacherq.heartbeat")
+
+EXIT_HUNG = 124  # like timeout(1)
+
+
+class Heartbeat:
+    """Background heartbeat; `state`, `held` and `batch_started` are set by the loop."""
+
+    def __init__(
+        self,
+        *,
+        client: redis.Redis,
+        key: str,
+        name: str,
+        claimer: Claimer,
+        interval_s: float,
+        job_timeout_s: float,
+        describe: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.r = client
+        self.key = key
+        self.name = name
+        self.claimer = claimer
+        self.interval_s = interval_s
+        self.job_timeout_s = job_timeout_s
+        self.describe = describe
+        self.state = "starting"
+        self.held: set[str] = set()  # entry ids claimed and not yet acknowledged
+        self.batch_started: float | None = None  # monotonic start of the batch in hand
+        self.last_beat = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tq-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Beat once now, then every interval."""
+        self.beat()
+        self._thread.start()
+
+    def stop(self, final_state: str = "stopped") -> None:
+        """Stop the thread and record a final state."""
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5)
+        self.state = final_state
+        try:
+            self.beat()
+        except redis.RedisError as exc:
+            log.warning("heartbeat.final_failed", error=str(exc))
+
+    def hold(self, entry_ids: list[str]) -> None:
+        """Entries just claimed."""
+        with self._lock:
+            self.held.update(entry_ids)
+
+    def release(self, entry_id: str) -> None:
+        """An entry acknowledged."""
+        with self._lock:
+            self.held.discard(entry_id)
+
+    def beat(self) -> None:
+        """Record state now."""
+        with self._lock:
+            held = sorted(self.held)
+        record = {"state": self.state, "time": time.time(), "in_flight": len(held)}
+        record.update(self.describe())
+        self.r.hset(self.key, self.name, json.dumps(record))
+        self.last_beat = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            started = self.batch_started
+            if started is not None and time.monotonic() - started > self.job_timeout_s:
+                log.error(
+                    "consumer.hung",
+                    batch_running_s=round(time.monotonic() - started, 1),
+                    job_timeout_s=self.job_timeout_s,
+                )
+                os._exit(EXIT_HUNG)
+            try:
+                self.beat()
+                with self._lock:
+                    held = list(self.held)
+                self.claimer.touch(held)
+            except redis.RedisError as exc:  # Redis restarting: keep beating once it is back
+                log.warning("heartbeat.failed", error=str(exc))

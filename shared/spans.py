@@ -1,0 +1,277 @@
+"""Finished spans in Redis: a sink that records them, and a reader that rebuilds traces.
+
+Every process a job crosses (producer, consumer leader) configures the sink once in main()::
+
+    tracing.configure_sink(RedisSpanSink(client, queue), process="consumer gpu3-dp0")
+
+and `teacherq trace` reads them back with `TraceStore`. Layout (all keys of the queue's hash
+slot, all expiring after TRACE_TTL_S):
+
+- `teacherq:{q}:trace:<trace_id>`  list of compact JSON span records, capped at
+  TRACE_MAX_SPANS (a trainer that wraps all its submits in one span makes one huge trace);
+- `teacherq:{q}:trace_job:<job_id>` the trace id of a job (from any span with a `job_id`
+  attr, except a resubmission's `submit` that enqueued nothing);
+- `teacherq:{q}:trace_batch:<batch_id>` the trace id of a batch (spans with a `batch_id`
+  and no `job_id`: a batch's own trace, which its jobs' traces link to);
+- `teacherq:{q}:trace_jobs` sorted set job_id -> first span start, for time windows.
+
+Writes go through a background thread that pipelines whatever accumulated, so a batch of 64
+jobs costs a round trip or two, not hundreds; tracing is best-effort and never blocks or
+breaks the traced code (a full buffer or a Redis error drops records and counts them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import redis
+import structlog
+
+from shared import keys
+from shared.tracing import SpanRecord
+
+log = structlog.get_logger("teacherq.spans")
+
+# -- keys (to move into shared/keys.py) ---------------------------------------------------
+
+TRACE_TTL_S = 3 * 24 * 3600  # traces are for diagnosis, not an archive
+TRACE_MAX_SPANS = 10_000  # per trace; the newest are kept
+THROUGHPUT_MAXLEN = 100_000  # batch completion notices kept for `teacherq status`
+
+
+def _q(queue: str) -> str:
+    return f"{keys.PREFIX}:{{{queue}}}"
+
+
+def trace_key(queue: str, trace_id: str) -> str:
+    """List of one trace's span records (JSON), oldest first."""
+    return f"{_q(queue)}:trace:{trace_id}"
+
+
+def job_trace_key(queue: str, job_id: str) -> str:
+    """String: the trace id of a job."""
+    return f"{_q(queue)}:trace_job:{job_id}"
+
+
+def batch_trace_key(queue: str, batch_id: str) -> str:
+    """String: the trace id of a batch (its own trace, shared by the jobs that rode in it)."""
+    return f"{_q(queue)}:trace_batch:{batch_id}"
+
+
+def trace_jobs_key(queue: str) -> str:
+    """Sorted set job_id -> unix time of its first recorded span (for `--since/--until`)."""
+    return f"{_q(queue)}:trace_jobs"
+
+
+def throughput_stream(queue: str) -> str:
+    """Capped stream, one entry per scored batch (fields jobs, tokens, consumer): tokens/s over
+    a window is the sum over entries whose ids (ms timestamps) fall in it."""
+    return f"{_q(queue)}:throughput"
+
+
+# -- the sink ------------------------------------------------------------------------------
+
+
+def encode_span(record: SpanRecord) -> str:
+    """A record as compact JSON (None fields left out; values JSON cannot hold as text)."""
+    compact = {k: v for k, v in record.items() if v is not None}
+    return json.dumps(compact, separators=(",", ":"), default=str)
+
+
+class RedisSpanSink:
+    """A span sink (`tracing.configure_sink`) that stores records in Redis in the background.
+
+    `__call__` only appends to a bounded buffer; a daemon thread flushes it every
+    `flush_interval_s` (or sooner when `flush_at` records wait) in one pipeline. `flush()`
+    writes what is buffered now; `close()` flushes and stops the thread (also run at exit).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        queue: str,
+        *,
+        ttl_s: int = TRACE_TTL_S,
+        max_spans_per_trace: int = TRACE_MAX_SPANS,
+        flush_interval_s: float = 0.2,
+        flush_at: int = 500,
+        max_buffer: int = 100_000,
+    ) -> None:
+        self.r = client
+        self.queue = queue
+        self.ttl_s = ttl_s
+        self.max_spans = max_spans_per_trace
+        self.flush_interval_s = flush_interval_s
+        self.flush_at = flush_at
+        self.dropped = 0
+        self._buf: deque[SpanRecord] = deque(maxlen=max_buffer)
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # flush() from a caller vs the thread
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="span-sink", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def __call__(self, record: SpanRecord) -> None:
+        """Buffer one record (never blocks on Redis)."""
+        with self._lock:
+            if len(self._buf) == self._buf.maxlen:
+                self.dropped += 1  # the deque drops the oldest: keep the newest spans
+            self._buf.append(record)
+            n = len(self._buf)
+        if n >= self.flush_at:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> int:
+        """Write every buffered record now; returns how many were written."""
+        with self._write_lock:
+            with self._lock:
+                records = list(self._buf)
+                self._buf.clear()
+            if not records:
+                return 0
+            try:
+                self._write(records)
+            except redis.RedisError:
+                self.dropped += len(records)
+                log.warning("trace.flush_failed", records=len(records), exc_info=True)
+                return 0
+            return len(records)
+
+    def _write(self, records: list[SpanRecord]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        traces: set[str] = set()
+        jobs: dict[str, tuple[str, float]] = {}
+        batches: dict[str, str] = {}
+        for rec in records:
+            tid = rec["trace_id"]
+            pipe.rpush(trace_key(self.queue, tid), encode_span(rec))
+            traces.add(tid)
+            attrs = rec.get("attrs") or {}
+            job_id, batch_id = attrs.get("job_id"), attrs.get("batch_id")
+            if isinstance(job_id, str) and attrs.get("enqueued") is not False:
+                start = float(rec["start_time"])
+                first = jobs.get(job_id)
+                jobs[job_id] = (tid, min(start, first[1]) if first else start)
+            elif isinstance(batch_id, str):
+                batches[batch_id] = tid
+        for tid in traces:
+            key = trace_key(self.queue, tid)
+            pipe.ltrim(key, -self.max_spans, -1)
+            pipe.expire(key, self.ttl_s)
+        for job_id, (tid, start) in jobs.items():
+            pipe.set(job_trace_key(self.queue, job_id), tid, ex=self.ttl_s)
+            # LT: the earliest span seen decides when a job happened, whichever process wrote
+            # first.
+            pipe.zadd(trace_jobs_key(self.queue), {job_id: start}, lt=True)
+        for batch_id, tid in batches.items():
+            pipe.set(batch_trace_key(self.queue, batch_id), tid, ex=self.ttl_s)
+        if jobs:
+            pipe.zremrangebyscore(trace_jobs_key(self.queue), "-inf", time.time() - self.ttl_s)
+            pipe.expire(trace_jobs_key(self.queue), self.ttl_s)
+        pipe.execute()
+
+    def close(self) -> None:
+        """Flush and stop the background thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
+        atexit.unregister(self.close)
+
+
+# -- the reader ----------------------------------------------------------------------------
+
+
+def decode_spans(raw: Iterable[bytes | str]) -> list[SpanRecord]:
+    """Records from their JSON, in start order; unreadable entries are skipped (logged)."""
+    out: list[SpanRecord] = []
+    for item in raw:
+        try:
+            rec = json.loads(item)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            log.warning("trace.bad_record", record=str(item)[:200])
+            continue
+        rec.setdefault("attrs", {})
+        rec.setdefault("parent_span_id", None)
+        out.append(rec)
+    # Dedupe: a flush retried after a timeout may have written a record twice.
+    unique = {rec["span_id"]: rec for rec in out}
+    return sorted(unique.values(), key=lambda r: (r["start_time"], -r["duration_ms"]))
+
+
+def job_subset(spans: list[SpanRecord], job_id: str) -> list[SpanRecord]:
+    """The spans of one job in a trace other jobs may share (a trainer that submits inside
+    its own span): spans naming the job, their ancestors and their descendants."""
+    by_id = {s["span_id"]: s for s in spans}
+    children: dict[str, list[str]] = {}
+    for s in spans:
+        if s["parent_span_id"]:
+            children.setdefault(s["parent_span_id"], []).append(s["span_id"])
+    keep: set[str] = set()
+    for s in spans:
+        if s["attrs"].get("job_id") != job_id:
+            continue
+        keep.add(s["span_id"])
+        parent = s["parent_span_id"]
+        while parent in by_id and parent not in keep:
+            keep.add(parent)
+            parent = by_id[parent]["parent_span_id"]
+        todo = list(children.get(s["span_id"], []))
+        while todo:
+            sid = todo.pop()
+            if sid not in keep:
+                keep.add(sid)
+                todo.extend(children.get(sid, []))
+    return [s for s in spans if s["span_id"] in keep]
+
+
+class TraceStore:
+    """Read recorded spans of one queue."""
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        self.r = client
+        self.queue = queue
+
+    def spans(self, trace_id: str) -> list[SpanRecord]:
+        """Every recorded span of a trace, in start order."""
+        return decode_spans(self.r.lrange(trace_key(self.queue, trace_id), 0, -1))
+
+    def trace_of_job(self, job_id: str) -> str | None:
+        """The trace id of a job, if any of its spans was recorded."""
+        raw = self.r.get(job_trace_key(self.queue, job_id))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    def trace_of_batch(self, batch_id: str) -> str | None:
+        """The trace id of a batch, if its spans were recorded."""
+        raw = self.r.get(batch_trace_key(self.queue, batch_id))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    def job_spans(self, job_id: str) -> list[SpanRecord]:
+        """The spans of one job (empty if none were recorded)."""
+        trace_id = self.trace_of_job(job_id)
+        return job_subset(self.spans(trace_id), job_id) if trace_id else []
+
+    def batch_spans(self, batch_id: str) -> list[SpanRecord]:
+        """The spans of a batch's own trace (empty if none were recorded)."""
+        trace_id = self.trace_of_batch(batch_id)
+        return self.spans(trace_id) if trace_id else []
+
+    def jobs_between(self, since: float, until: float, *, limit: int = 1000) -> list[str]:
+        """Job ids whose first recorded span started in [since, until], oldest first."""
+        raw = self.r.zrangebyscore(trace_jobs_key(self.queue), since, until, start=0, num=limit)
+        return [j.decode() if isinstance(j, bytes) else j for j in raw]
