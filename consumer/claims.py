@@ -56,24 +56,40 @@ class Claimer:
         self.block_ms = block_ms
         self.stats = ClaimStats()
         self._own_pending_done = False
+        self._own_cursor = "0-0"
+        self.last_was_redelivery = False
         self._cursor = "0-0"
         self._next_claim = 0.0
 
     def next_entries(self, count: int) -> list[Entry]:
-        """Up to `count` entries to work on (possibly none after blocking)."""
+        """Up to `count` new entries, or one redelivered entry (possibly none after blocking).
+
+        `last_was_redelivery` tells whether the returned entries were delivered before."""
+        self.last_was_redelivery = True
+        # Redelivered entries come one at a time: each read counts a delivery for every entry
+        # it returns, and one of them may be the poison that killed the last holder — reading
+        # them in bulk would count deliveries against innocent entries behind it.
         if not self._own_pending_done:
-            entries = self._read("0", count, block=None)
-            if entries:
-                return entries
+            # Walk our pending list forward from a cursor: entries handed out earlier may not
+            # be acknowledged yet (writes finish in the background) and must not come again.
+            reply = self.r.xreadgroup(
+                self.streams.group, self.name, {self.streams.jobs: self._own_cursor}, count=1
+            )
+            raw = reply[0][1] if reply else []
+            if raw:
+                self._own_cursor = raw[-1][0].decode()
+                entries = self._drop_deleted(raw)
+                return entries if entries else self.next_entries(count)
             self._own_pending_done = True
         now = time.monotonic()
         if now >= self._next_claim:
             # Walk the whole pending list once per half visibility timeout.
-            claimed = self._autoclaim(count)
+            claimed = self._autoclaim(1)
             if claimed:
                 return claimed
             if self._cursor == "0-0":
                 self._next_claim = now + self.visibility_ms / 2000
+        self.last_was_redelivery = False
         return self._read(">", count, block=self.block_ms)
 
     def _read(self, from_id: str, count: int, *, block: int | None) -> list[Entry]:

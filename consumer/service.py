@@ -73,7 +73,10 @@ def run(settings: Settings) -> int:
         rank=layout.rank, tp_rank=layout.tp_rank, dp_rank=layout.dp_rank
     )
     faults = FaultInjector(
-        settings.consumer.crash_at, raise_at=settings.consumer.raise_at, rank=layout.rank
+        settings.consumer.crash_at,
+        raise_at=settings.consumer.raise_at,
+        poison=settings.consumer.poison,
+        rank=layout.rank,
     )
     try:
         scorer, version = build_scorer(settings, layout)

@@ -111,7 +111,7 @@ def score_agreed(scorer: Scorer, batch: BatchTensors, faults: FaultInjector) -> 
     group, device = scorer.layout.tp_group, scorer.device
     error: BaseException | None = None
     try:
-        faults.check_batch()
+        faults.check_batch(batch.input_ids_T)
         scorer.check(batch)
     except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
         error = exc
@@ -215,7 +215,12 @@ class Leader:
         self.heartbeat.start()
         self.heartbeat.state = "ready"
         log.info("consumer.ready", consumer=self.name, model_version=self.model_version)
-        fetcher = Prefetcher(self._fetch, depth=self.c.prefetch_batches, stop=self.stop)
+        fetcher = Prefetcher(
+            self._fetch,
+            depth=self.c.prefetch_batches,
+            stop=self.stop,
+            serial=lambda: self.claimer.last_was_redelivery,
+        )
         try:
             while True:
                 entries = fetcher.get(timeout_s=self.c.block_ms / 1000)
@@ -223,7 +228,8 @@ class Leader:
                     break
                 if entries:
                     self.heartbeat.state = "busy"
-                    self._process(entries)
+                    self._process_until_done(entries)
+                    fetcher.processed()
                 else:
                     self.heartbeat.state = "draining" if self.stop.requested else "ready"
                 self._maybe_trim()
@@ -271,6 +277,19 @@ class Leader:
 
     # -- processing -----------------------------------------------------------------------
 
+    def _process_until_done(self, entries: list[Entry]) -> None:
+        """Process claimed entries, riding out a Redis outage: the entries stay pending to us,
+        and processing them again is safe (finished jobs are skipped, writes are idempotent)."""
+        delay = 0.1
+        while True:
+            try:
+                self._process(entries)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     def _process(self, entries: list[Entry]) -> None:
         batch_id = new_id()
         claimed_at = time.time()
@@ -291,12 +310,20 @@ class Leader:
                     f"{self.c.max_deliveries} (the job crashed, hung or timed out each time)"
                 )
                 self._dead_letter(entry_id, fields, reason=reason,
-                                  exc_type="TooManyDeliveries", deliveries=count)  # fmt: skip
+                                  exc_type="TooManyDeliveries", deliveries=count,
+                                  attempts=count - 1)  # fmt: skip
                 continue
             jobs.append(job)
         jobs = self._skip_finished(jobs)
-        for group in plan_microbatches(jobs, token_budget=self.c.token_budget):
-            self._score_and_store(group, batch_id=batch_id, claimed_at=claimed_at)
+        # Entries delivered before were in flight when something died: run each alone, so a
+        # poison job cannot take innocent batch-mates down with it again.
+        suspects = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) > 1]
+        fresh = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) <= 1]
+        groups = plan_microbatches(fresh, token_budget=self.c.token_budget)
+        for group in groups + [[j] for j in suspects]:
+            counts = {j.entry_id: deliveries.get(j.entry_id.encode(), 1) for j in group}
+            self._score_and_store(group, batch_id=batch_id, claimed_at=claimed_at,
+                                  deliveries=counts)  # fmt: skip
 
     def _skip_finished(self, jobs: list[Job]) -> list[Job]:
         """Acknowledge, without computing, jobs that already have a result record (done,
@@ -318,7 +345,9 @@ class Leader:
                 todo.append(job)
         return todo
 
-    def _score_and_store(self, jobs: list[Job], *, batch_id: str, claimed_at: float) -> None:
+    def _score_and_store(
+        self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
+    ) -> None:
         batch = batch_from_jobs(jobs)
         t0 = time.perf_counter()
         self.heartbeat.batch_started = time.monotonic()
@@ -331,9 +360,11 @@ class Leader:
             log.warning("batch.failed", batch_id=batch_id, jobs=len(jobs), error=_describe(exc, ""))
             if len(jobs) > 1:  # find the culprit (or get past OOM): each job alone
                 for job in jobs:
-                    self._score_and_store([job], batch_id=new_id(), claimed_at=claimed_at)
+                    self._score_and_store([job], batch_id=new_id(), claimed_at=claimed_at,
+                                          deliveries=deliveries)  # fmt: skip
             else:
-                self._fail(jobs[0], exc)
+                self._retry_or_fail(jobs[0], exc, deliveries=deliveries.get(jobs[0].entry_id, 1),
+                                    claimed_at=claimed_at)  # fmt: skip
             return
         finally:
             self.heartbeat.batch_started = None
@@ -372,11 +403,23 @@ class Leader:
             else:
                 self.counters.jobs_failed += wrote
 
-    def _fail(self, job: Job, exc: BaseException) -> None:
+    def _retry_or_fail(
+        self, job: Job, exc: BaseException, *, deliveries: int, claimed_at: float
+    ) -> None:
+        """A job that failed alone: deliver it again (XCLAIM to ourselves counts a delivery)
+        until it has been delivered max_deliveries times, then dead-letter it with the error."""
+        if deliveries < self.c.max_deliveries:
+            self.r.xclaim(self.streams.jobs, self.streams.group, self.name, min_idle_time=0,
+                          message_ids=[job.entry_id])  # fmt: skip
+            log.info("job.retry", job_id=job.job_id, deliveries=deliveries + 1)
+            self._score_and_store([job], batch_id=new_id(), claimed_at=claimed_at,
+                                  deliveries={job.entry_id: deliveries + 1})  # fmt: skip
+            return
         cause = exc.__cause__ or exc
-        fields = {b"job_id": job.job_id.encode(), b"n_tokens": str(job.counted_tokens).encode()}
-        self._dead_letter(job.entry_id, fields, reason=_describe(exc, "failed"),
-                          exc_type=type(cause).__name__, deliveries=1)  # fmt: skip
+        fields = job.fields or {b"job_id": job.job_id.encode()}
+        reason = f"failed on each of {deliveries} deliveries: {_describe(exc, 'failed')}"
+        self._dead_letter(job.entry_id, fields, reason=reason, exc_type=type(cause).__name__,
+                          deliveries=deliveries, attempts=deliveries)  # fmt: skip
 
     def _dead_letter(
         self,
@@ -386,8 +429,12 @@ class Leader:
         reason: str,
         exc_type: str,
         deliveries: int,
+        attempts: int = 0,
     ) -> None:
-        """Move an entry to the dead-letter stream with why, and give waiters the error."""
+        """Move an entry to the dead-letter stream with why, and give waiters the error.
+
+        `deliveries` is how often the entry was delivered; `attempts` how often it was
+        actually computed (0 for invalid input)."""
         raw_id = fields.get(b"job_id", b"")
         try:
             job_id = raw_id.decode() or f"entry-{entry_id}"
@@ -399,6 +446,7 @@ class Leader:
             "reason": reason,
             "exception": exc_type,
             "deliveries": deliveries,
+            "attempts": attempts,
             "consumer": self.name,
             "time": time.time(),
         }
@@ -475,14 +523,26 @@ class Prefetcher:
 
     With depth 0 the loop claims inline. On stop, the thread stops claiming, and everything
     it already claimed is still handed out (and so finished) before `get` returns None.
+    After claiming redelivered entries (`serial()` true) it waits until the loop has processed
+    them before claiming more: a redelivered entry may be the poison that kills the process,
+    and entries claimed ahead of it would be charged a delivery for nothing.
     """
 
     _DONE = object()
 
-    def __init__(self, fetch: Callable[[], list[Entry]], *, depth: int, stop: StopFlag) -> None:
+    def __init__(
+        self,
+        fetch: Callable[[], list[Entry]],
+        *,
+        depth: int,
+        stop: StopFlag,
+        serial: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.fetch = fetch
         self.stop = stop
         self.depth = depth
+        self.serial = serial
+        self._processed = threading.Event()
         self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -495,7 +555,11 @@ class Prefetcher:
             while not self.stop.requested:
                 entries = self.fetch()
                 if entries:
+                    wait = self.serial()
+                    self._processed.clear()
                     self._q.put(entries)
+                    while wait and not self._processed.wait(0.5) and not self.stop.requested:
+                        pass
         except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, re-raised there
             self._error = exc
         finally:
@@ -514,6 +578,10 @@ class Prefetcher:
                 raise self._error
             return None
         return item
+
+    def processed(self) -> None:
+        """The loop finished the entries it got last."""
+        self._processed.set()
 
     def close(self) -> None:
         """Wait for the thread to notice the stop flag."""

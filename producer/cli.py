@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from producer.cli_datasets import register
 from shared.settings import Settings, SettingsError, load_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -153,6 +154,48 @@ def cancel(job_ids: Annotated[list[str], typer.Argument(help="Job ids to cancel.
 
 
 @app.command()
+def replay(
+    job_ids: list[str] = typer.Option(None, "--job-id", help="Replay only these job ids."),
+    queue: str = typer.Option(None, "--queue", help="Queue (default: TEACHERQ_QUEUE__NAME)."),
+    reason: str = typer.Option(None, help="Only dead letters whose reason contains this."),
+    since: str = typer.Option(None, help="Only dead letters since: 30m, 2h, 1d, ISO time."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Show what would happen; change nothing."
+    ),
+    force: bool = typer.Option(False, help="Replay even succeeded or often-replayed jobs."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+) -> None:
+    """Move dead-lettered jobs back onto the jobs stream (dry-run first)."""
+    from producer.replay import parse_since
+    from producer.replay import replay as do_replay
+
+    settings = _settings()
+    if queue:
+        settings = settings.model_copy(
+            update={"queue": settings.queue.model_copy(update={"name": queue})}
+        )
+    try:
+        since_ts = parse_since(since) if since else None
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    decisions = do_replay(
+        _client(settings), job_ids=job_ids or None, reason=reason, since=since_ts,
+        dry_run=dry_run, force=force,
+    )  # fmt: skip
+    if as_json or not _tty():
+        for d in decisions:
+            typer.echo(json.dumps(d.to_json()))
+        return
+    table = Table(title=f"replay{' (dry run)' if dry_run else ''}: {len(decisions)} dead letters")
+    for col in ("job id", "dead-lettered because", "action"):
+        table.add_column(col)
+    for d in decisions:
+        table.add_row(d.job_id, d.reason, d.action)
+    out.print(table)
+
+
+@app.command()
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
     from consumer.__main__ import main
@@ -179,6 +222,14 @@ def redis_cmd(
     else:
         err.print(f"[red]unknown action {action!r}; expected start, stop or url[/red]")
         raise typer.Exit(2)
+
+
+from producer.cli_observe import register as _register_observe  # noqa: E402 - after app exists
+
+_register_observe(app)
+
+
+register(app)
 
 
 def main() -> None:

@@ -16,6 +16,10 @@ class TransientError(TeacherqError):
     """A Redis or object-store hiccup: retry with backoff."""
 
 
+class QueueFull(TeacherqError):
+    """Submit refused by backpressure: the queue holds too many pending tokens."""
+
+
 class JobFailed(TeacherqError):
     """Raised to a waiting client for a job that ended in the dead-letter stream."""
 

@@ -48,6 +48,11 @@ def pending_tokens_key(queue: str) -> str:
     return f"{_q(queue)}:pending_tokens"
 
 
+def replays_key(queue: str) -> str:
+    """Hash job_id -> how often it was replayed from the dead-letter stream."""
+    return f"{_q(queue)}:replays"
+
+
 def consumers_key(queue: str) -> str:
     """Hash consumer name -> JSON heartbeat record (state, layout, model version, time)."""
     return f"{_q(queue)}:consumers"

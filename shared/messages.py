@@ -254,6 +254,7 @@ class Job:
     request: TeacherRequest
     submitted_at: float
     counted_tokens: int = 0  # what the submit script added to the pending-token counter
+    fields: dict[bytes, bytes] = field(default_factory=dict, repr=False)  # the raw entry
 
 
 def entry_tokens(fields: dict[bytes, bytes]) -> int:
@@ -317,6 +318,7 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
         request=req,
         submitted_at=float(submitted_at) if isinstance(submitted_at, int | float) else 0.0,
         counted_tokens=entry_tokens(fields),
+        fields=fields,
     )
 
 

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from shared.settings import RedisSettings
 
@@ -133,8 +135,12 @@ def connect(cfg: RedisSettings) -> redis.Redis:
     url = cfg.url
     if url is None:
         url, _ = ensure_embedded(Path(cfg.home))
+    # Brief outages (a restart, a failover) are retried with backoff inside the client; every
+    # teacherq write is idempotent, so a resent command is harmless.
     return redis.Redis.from_url(
         url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=5.0,
         health_check_interval=30,

@@ -181,6 +181,10 @@ class ConsumerSettings(_Section):
     """Fault injection for tests only: `<point>:<n>` makes the process exit abruptly
     (os._exit) at the n-th time it reaches point read, compute, stored or acked."""
 
+    poison: str | None = None
+    """Fault injection for tests only: `<raise|exit|hang>:<token id>` makes every job holding
+    that token fail in that way."""
+
     raise_at: str | None = None
     """Fault injection for tests only: `<rank>:<n>` makes that global rank raise while checking
     its n-th batch (the group must agree on the failure, not hang)."""

@@ -33,7 +33,7 @@ import redis
 import structlog
 
 from shared import keys
-from shared.tracing import SpanRecord
+from shared.tracing import SpanRecord, configure_sink
 
 log = structlog.get_logger("teacherq.spans")
 
@@ -192,6 +192,15 @@ class RedisSpanSink:
         self._thread.join(timeout=5)
         self.flush()
         atexit.unregister(self.close)
+
+
+def install_sink(client: redis.Redis, queue: str, *, process: str | None = None) -> RedisSpanSink:
+    """Record this process's finished spans to Redis (call once in main(); a trainer calls it
+    to have its `submit` spans in `teacherq trace`). Returns the sink; `close()` it on exit
+    (also done at interpreter exit)."""
+    sink = RedisSpanSink(client, queue)
+    configure_sink(sink, process=process)
+    return sink
 
 
 # -- the reader ----------------------------------------------------------------------------

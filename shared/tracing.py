@@ -33,7 +33,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import structlog
@@ -250,12 +251,18 @@ def record(
 ) -> SpanRef:
     """Record a span that already happened, at wall-clock times (unix seconds, e.g. from
     `now()` or a job's `submitted_at`), under `carrier` (a remote parent) or else the current
-    span. Logged at debug level as `<name>.span`: a consumer records several per job."""
+    span. Logged at debug level as `<name>.span`: a consumer records several per job. An end
+    before the start (clocks of two hosts) gives an empty span with `clock_skew_ms`."""
     if carrier and carrier.get("trace_id"):
         trace_id, parent, remote = carrier["trace_id"], carrier.get("span_id"), True
     else:
         here = current_carrier()
         trace_id, parent, remote = here.get("trace_id") or new_id(), here.get("span_id"), False
+    if end_time < start_time:
+        # Times from two hosts (a producer's submitted_at, a consumer's claim) can disagree:
+        # keep the span, empty, and say by how much rather than fail the caller.
+        attrs = {**attrs, "clock_skew_ms": round((start_time - end_time) * 1000, 3)}
+        end_time = start_time
     return _finished(
         name,
         trace_id=trace_id,
@@ -452,6 +459,71 @@ def traced(name: str | None = None, **attrs: Any) -> Callable[[F], F]:
         return span(name or fn.__qualname__, **attrs)(fn)
 
     return wrap
+
+
+class PhaseClock:
+    """Times named phases of one call (h2d, forward, head, d2h of a batch on one rank) as
+    offsets in seconds from the clock's creation, for `attach_phases` — also on ranks that
+    record no spans themselves: their offsets travel to the leader in a small collective.
+
+    `sync` (e.g. torch.cuda.synchronize) runs at the end of each phase so asynchronous device
+    work is charged to the phase that queued it; leave it None on CPU.
+    """
+
+    def __init__(self, *, sync: Callable[[], None] | None = None) -> None:
+        self._t0 = time.perf_counter()
+        self._sync = sync
+        self.phases: dict[str, tuple[float, float]] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase `name` (a repeated name extends the first start to the
+        last end: a head run in chunks is one `head` phase)."""
+        start = time.perf_counter() - self._t0
+        try:
+            yield
+        finally:
+            if self._sync is not None:
+                self._sync()
+            end = time.perf_counter() - self._t0
+            first = self.phases.get(name)
+            self.phases[name] = (first[0] if first else start, end)
+
+    def offsets(self, names: Sequence[str]) -> list[float]:
+        """[start, end] per name, flattened, in the order given (0, 0 for a phase that did not
+        run): a fixed-size vector every rank can all-gather."""
+        flat: list[float] = []
+        for name in names:
+            flat += list(self.phases.get(name, (0.0, 0.0)))
+        return flat
+
+
+def attach_phases(
+    parent: Span | SpanRef,
+    name: str,
+    names: Sequence[str],
+    offsets: Sequence[float],
+    *,
+    at_s: float,
+    **attrs: Any,
+) -> SpanRef | None:
+    """Hang one rank's phases under `parent`: a `name` span from the first phase's start to
+    the last one's end, with a child per phase that ran. `offsets` is `PhaseClock.offsets`
+    (from any rank); `at_s` is where, in seconds from the parent's start, the rank's clock
+    started (the leader's moment after the broadcast). Returns the rank span (None if no
+    phase ran)."""
+    ran = [
+        (n, float(offsets[2 * i]), float(offsets[2 * i + 1]))
+        for i, n in enumerate(names)
+        if offsets[2 * i + 1] > 0  # (0, 0): the phase did not run on that rank
+    ]
+    if not ran:
+        return None
+    lo, hi = min(r[1] for r in ran), max(r[2] for r in ran)
+    rank_span = parent.child(name, start_s=at_s + lo, end_s=at_s + hi, **attrs)
+    for phase, start, end in ran:
+        rank_span.child(phase, start_s=start - lo, end_s=end - lo)
+    return rank_span
 
 
 def propagate(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from shared import keys
 from shared.codec import encode_array
@@ -180,3 +183,25 @@ def test_result_json_form() -> None:
     out = res.to_json()
     assert out["logprobs"] == [-1.0, -2.0] and out["entropy"] is None and out["error"] is None
     assert res.ok and not TeacherResult(job_id="j", error="boom").ok
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from([b"v", b"job_id", b"meta", b"input_ids", b"label_token_ids", b"n_tokens"]),
+        st.one_of(
+            st.binary(max_size=64),
+            st.just(b"1"),
+            st.just(b'{"top_k": 2, "seed": 1}'),
+            st.builds(lambda n: encode_array(np.arange(n, dtype=np.int32)), st.integers(0, 40)),
+        ),
+    )
+)
+@hsettings(max_examples=300, deadline=None)
+def test_any_stream_entry_decodes_or_raises_invalid_job(fields: dict) -> None:
+    """Whatever bytes a stream entry holds, decoding either succeeds or raises InvalidJob."""
+    try:
+        job = decode_job("1-0", fields, limits=LIMITS)
+    except InvalidJob as exc:
+        assert str(exc)
+    else:
+        assert 2 <= job.request.num_tokens <= LIMITS.max_input_tokens

@@ -1,0 +1,383 @@
+"""Fault tolerance with real processes: consumers killed at every point of a job's life, Redis
+killed and restarted, poison jobs, replay, bad stream entries, retention.
+
+The invariants checked after every fault: each job has exactly one result, identical to a
+fault-free run; nothing is left pending; the dead-letter stream holds exactly the poison jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from producer import QueueFull, TeacherClient, TeacherRequest
+from shared import keys
+from shared.redis_server import free_port, server_args, wait_ready
+from shared.settings import Settings, to_env
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+POISON = 777  # a token id that fault injection turns into a poison job
+K = 3  # max deliveries
+
+
+def fast(settings: Settings, **consumer: object) -> Settings:
+    """Settings with short timeouts so redelivery happens within seconds."""
+    base = {
+        "block_ms": 100,
+        "visibility_timeout_s": 2.0,
+        "heartbeat_interval_s": 0.3,
+        "job_timeout_s": 3.0,
+        "max_deliveries": K,
+        "batch_max_jobs": 4,
+        "token_budget": 64,
+    }
+    base.update(consumer)
+    return settings.model_copy(update={"consumer": settings.consumer.model_copy(update=base)})
+
+
+def job_set(n: int = 12, seed: int = 0) -> list[TeacherRequest]:
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        length = int(rng.integers(5, 40))
+        reqs.append(
+            TeacherRequest(
+                input_ids=rng.integers(0, 500, size=length),
+                top_k=3 if i % 2 else 0,
+                sample_n=2 if i % 3 == 0 else 0,
+                return_entropy=i % 4 == 0,
+                seed=i,
+                job_id=f"job-{seed}-{i:03d}",
+            )
+        )
+    return reqs
+
+
+def assert_exactly_once(client: TeacherClient, ids: list[str], *, dead: set[str] = frozenset()):
+    """Every job has one completion, nothing is pending, dead letters are exactly `dead`."""
+    r, q = client.r, client.queue
+    done = [f[b"job_id"].decode() for _, f in r.xrange(keys.done_stream(q))]
+    assert sorted(done) == sorted(ids), "each job completes exactly once"
+    assert r.xpending(keys.jobs_stream(q), client.settings.queue.group)["pending"] == 0
+    dead_ids = {f[b"job_id"].decode() for _, f in r.xrange(keys.dead_stream(q))}
+    assert dead_ids == set(dead)
+
+
+def assert_same_results(got, want) -> None:
+    """Same outputs as the fault-free run. Ids are compared exactly; floats to 1e-6, since a
+    redelivered job may ride in a batch of another size, and CPU GEMM kernels round the last
+    bit differently for different row counts (the first stored result is never replaced)."""
+    for a, b in zip(got, want, strict=True):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert a.arrays().keys() == b.arrays().keys()
+        for name, arr in a.arrays().items():
+            if arr.dtype.kind in "iu":
+                np.testing.assert_array_equal(arr, b.arrays()[name], err_msg=f"{a.job_id} {name}")
+            else:
+                np.testing.assert_allclose(arr, b.arrays()[name], rtol=0, atol=1e-5,
+                                           err_msg=f"{a.job_id} {name}")  # fmt: skip
+
+
+def with_queue(settings: Settings, name: str) -> Settings:
+    return settings.model_copy(update={"queue": settings.queue.model_copy(update={"name": name})})
+
+
+@pytest.fixture
+def fault_free(settings, start_consumer):
+    """Results of the job set from an undisturbed consumer, on a queue of their own."""
+    s = fast(with_queue(settings, f"ref-{uuid.uuid4().hex[:6]}"))
+    proc = start_consumer(s)
+    client = TeacherClient(s)
+    reqs = job_set()
+    results = client.wait(client.submit(reqs), timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    return reqs, results
+
+
+@pytest.mark.parametrize("point", ["read:2", "compute:2", "stored:3", "acked:3"])
+def test_consumer_dies_at_each_point(point, settings, start_consumer, fault_free) -> None:
+    reqs, want = fault_free
+    s = fast(settings)
+    client = TeacherClient(s)
+    ids = client.submit(reqs)
+    crashing = start_consumer(fast(settings, crash_at=point), wait=False)
+    assert crashing.wait(timeout=120) == 137, "the consumer should die at the injected point"
+    # A fresh consumer (another name) takes over what the dead one held.
+    start_consumer(s)
+    got = client.wait(ids, timeout=120)
+    assert_same_results(got, want)
+    assert_exactly_once(client, ids)
+
+
+def test_kill_9_at_a_random_moment(settings, start_consumer, fault_free) -> None:
+    reqs, want = fault_free
+    s = fast(settings)
+    client = TeacherClient(s)
+    ids = client.submit(reqs)
+    victim = start_consumer(s)
+    time.sleep(random.uniform(0.0, 1.5))
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    start_consumer(s)
+    assert_same_results(client.wait(ids, timeout=120), want)
+    assert_exactly_once(client, ids)
+
+
+class Supervisor:
+    """Restarts consumer processes that exit, like a container restart policy."""
+
+    def __init__(self, start, settings: Settings) -> None:
+        self.start, self.settings = start, settings
+        self.procs: list[subprocess.Popen] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Supervisor:
+        self.procs.append(self.start(self.settings, wait=False))
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.2):
+            if self.procs[-1].poll() is not None:
+                self.procs.append(self.start(self.settings, wait=False))
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
+def test_poison_jobs_dead_letter_after_k_attempts(mode, settings, start_consumer) -> None:
+    # A fixed consumer name: a restarted consumer first drains its own pending list.
+    s = fast(settings, poison=f"{mode}:{POISON}", name=f"stable-{mode}")
+    client = TeacherClient(s)
+    good = [TeacherRequest(input_ids=[1, 2, 3, i], job_id=f"good-{i}") for i in range(6)]
+    poison = TeacherRequest(input_ids=[5, POISON, 6], job_id="poison")
+    ids = client.submit([*good[:3], poison, *good[3:]])
+    with Supervisor(start_consumer, s) as sup:
+        results = client.wait(ids, timeout=180)
+    by_id = {r.job_id: r for r in results}
+    assert all(by_id[g.job_id].ok for g in good), "good jobs keep flowing"
+    assert by_id["poison"].error, "the waiter gets the error, not a timeout"
+    [(_, dead)] = client.r.xrange(keys.dead_stream(s.queue.name))
+    assert dead[b"job_id"] == b"poison"
+    assert int(dead[b"attempts"]) == K
+    if mode == "raise":
+        assert dead[b"exception"] == b"InjectedFault"
+        assert len(sup.procs) == 1  # a raising job never takes the consumer down
+    else:
+        assert dead[b"exception"] == b"TooManyDeliveries"
+        assert len(sup.procs) >= K + 1  # each attempt killed (or hung) a consumer
+    assert_exactly_once(client, ids, dead={"poison"})
+
+
+def test_replay_round_trip(settings, start_consumer) -> None:
+    s = fast(settings, poison=f"raise:{POISON}")
+    client = TeacherClient(s)
+    ok_id, bad_id = client.submit(
+        [TeacherRequest(input_ids=[1, 2, 3]), TeacherRequest(input_ids=[4, POISON, 4])]
+    )
+    proc = start_consumer(s)
+    ok, bad = client.wait([ok_id, bad_id], timeout=60)
+    assert ok.ok and bad.error
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+    from producer.replay import replay
+
+    dry = replay(client, dry_run=True)
+    assert [(d.job_id, d.action) for d in dry] == [(bad_id, "would replay")]
+    assert client.r.xlen(keys.dead_stream(s.queue.name)) == 1  # dry run changed nothing
+    # A consumer without the poison: the replayed job now succeeds.
+    start_consumer(fast(settings))
+    [done] = replay(client)
+    assert done.action == "replayed"
+    [again] = client.wait([bad_id], timeout=60)
+    assert again.ok, again.error
+    assert client.r.xlen(keys.dead_stream(s.queue.name)) == 0
+    assert_exactly_once(client, [ok_id, bad_id, bad_id])  # failed once, then completed
+    assert client.r.xpending(keys.jobs_stream(s.queue.name), "consumers")["pending"] == 0
+
+
+def test_replay_skips_succeeded_and_counts_replays(settings, r) -> None:
+    from producer.replay import replay
+
+    s = settings.model_copy(update={"queue": settings.queue.model_copy(update={"max_replays": 1})})
+    client = TeacherClient(s)
+    client.streams.ensure_group()
+    q = s.queue.name
+    for job_id in ("a", "b"):
+        r.xadd(keys.dead_stream(q), {"job_id": job_id, "reason": "boom", "orig:job_id": job_id})
+    r.hset(keys.result_key(q, "a"), mapping={"status": "ok"})
+    decisions = {d.job_id: d.action for d in replay(client)}
+    assert decisions["a"].startswith("skipped: already succeeded")
+    assert decisions["b"] == "replayed"
+    r.xadd(keys.dead_stream(q), {"job_id": "b", "reason": "boom again", "orig:job_id": "b"})
+    [d] = [d for d in replay(client, job_ids=["b"])]
+    assert d.action.startswith("skipped: replayed 1 times")
+    [forced] = replay(client, job_ids=["b"], force=True)
+    assert forced.action == "replayed"
+    assert [d.job_id for d in replay(client, reason="nothing matches")] == []
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path):
+    """A valkey-server of this test's own (it gets killed), AOF everysec, fixed port."""
+    data = tmp_path / "own-redis"
+    data.mkdir()
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    procs = []
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(server_args(data_dir=data, port=port, daemonize=False))
+        procs.append(proc)
+        wait_ready(url, timeout=30)
+        return proc
+
+    start()
+    yield url, start, procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None:
+    url, start_redis, procs = own_redis
+    s = fast(settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})}))
+    client = TeacherClient(s)
+    start_consumer(s)
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set() and i < 60:
+            req = TeacherRequest(input_ids=[1, 2, 3, i % 400 + 4], job_id=f"p-{i:03d}")
+            try:
+                acknowledged.extend(client.submit([req]))
+                i += 1
+            except (redis.ConnectionError, redis.TimeoutError):
+                time.sleep(0.1)  # the server is down: the producer retries the same job id
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    time.sleep(1.0)
+    procs[-1].send_signal(signal.SIGKILL)
+    procs[-1].wait()
+    time.sleep(1.0)
+    start_redis()  # same dir: the AOF brings back every acknowledged write
+    producer.join(timeout=120)
+    stop.set()
+    assert len(acknowledged) == 60
+    results = client.wait(acknowledged, timeout=180)
+    assert all(res.ok for res in results)
+    assert_exactly_once(client, acknowledged)
+
+
+def test_bad_entries_never_take_a_consumer_down(settings, start_consumer, r) -> None:
+    from hypothesis import HealthCheck, given
+    from hypothesis import settings as hsettings
+    from hypothesis import strategies as st
+
+    from shared.codec import encode_array
+
+    proc = start_consumer(fast(settings))
+    client = TeacherClient(settings)
+    stream = keys.jobs_stream(settings.queue.name)
+    value = st.one_of(
+        st.binary(max_size=40),
+        st.text(max_size=20),
+        st.integers().map(str),
+        st.just(b'{"top_k": -1}'),
+        st.just(b'{"temperature": 0}'),
+        st.just(encode_array(np.array([1, 10**6], dtype=np.int64))),
+        st.just(encode_array(np.arange(10**5, dtype=np.int32))[:100]),
+    )
+    fields = st.dictionaries(
+        st.sampled_from(["v", "job_id", "meta", "input_ids", "label_token_ids", "junk"]),
+        value, min_size=1, max_size=6,
+    )  # fmt: skip
+    bad_ids: list[str] = []
+
+    @hsettings(max_examples=40, deadline=None,
+               suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+    @given(fields)
+    def write(entry: dict) -> None:
+        job_id = f"bad-{len(bad_ids)}"
+        entry = {**entry, "job_id": job_id, "v": entry.get("v", "1")}
+        r.xadd(stream, entry)
+        bad_ids.append(job_id)
+
+    client.streams.ensure_group()
+    write()
+    good = client.submit([TeacherRequest(input_ids=[1, 2, 3, i]) for i in range(5)])
+    results = client.wait(bad_ids + good, timeout=120)
+    assert proc.poll() is None, "the consumer is still running"
+    assert all(res.ok for res in results[len(bad_ids) :])
+    failed = [res for res in results[: len(bad_ids)] if not res.ok]
+    # Every bad entry failed with a reason (a few random ones may happen to be valid jobs).
+    assert all(res.error for res in failed)
+    dead = {f[b"job_id"].decode() for _, f in r.xrange(keys.dead_stream(settings.queue.name))}
+    assert dead == {res.job_id for res in failed}
+    assert r.xpending(stream, "consumers")["pending"] == 0
+
+
+def test_janitor_trims_only_acknowledged_entries(settings, r) -> None:
+    from consumer.worker import trim_acknowledged
+
+    stream = keys.jobs_stream(settings.queue.name)
+    r.xgroup_create(stream, "g1", id="0", mkstream=True)
+    r.xgroup_create(stream, "g2", id="0")
+    ids = [r.xadd(stream, {"i": i}) for i in range(10)]
+    r.xreadgroup("g1", "c", {stream: ">"}, count=10)  # g1 has seen all 10
+    r.xack(stream, "g1", *ids[:6])  # ... and finished 6
+    r.xreadgroup("g2", "c", {stream: ">"}, count=8)  # g2 has seen 8
+    r.xack(stream, "g2", *ids[:8])  # ... and finished them
+    trimmed = trim_acknowledged(r, stream)
+    left = [eid for eid, _ in r.xrange(stream)]
+    assert left == ids[6:], "entries pending in g1 (6..9) and undelivered to g2 (8, 9) stay"
+    assert trimmed == 6
+    r.xack(stream, "g1", *ids[6:])
+    trim_acknowledged(r, stream)
+    assert [eid for eid, _ in r.xrange(stream)] == ids[8:]  # g2 has not read 8 and 9 yet
+
+
+def test_consumer_refuses_redis_without_aof(settings, own_redis, tmp_path) -> None:
+    url, _, _ = own_redis
+    redis.Redis.from_url(url).config_set("appendonly", "no")
+    s = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
+    env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode != 0
+    assert "AOF is off" in out.stdout + out.stderr
+
+
+def test_backpressure_raises_or_blocks(settings, start_consumer) -> None:
+    q = settings.queue.model_copy(update={"max_pending_tokens": 20, "backpressure": "raise"})
+    client = TeacherClient(settings.model_copy(update={"queue": q}))
+    client.submit([TeacherRequest(input_ids=list(range(15)))])
+    with pytest.raises(QueueFull, match="max_pending_tokens=20"):
+        client.submit([TeacherRequest(input_ids=list(range(10)))])
+    # Blocking mode: submit waits for the consumer to make room, then goes through.
+    blocking = settings.model_copy(update={"queue": q.model_copy(update={"backpressure": "block"})})
+    client = TeacherClient(blocking)
+    start_consumer(blocking)
+    ids = client.submit([TeacherRequest(input_ids=list(range(i, i + 15))) for i in range(5)])
+    assert all(res.ok for res in client.wait(ids, timeout=60))
