@@ -3,7 +3,8 @@
 Jobs are packed as documents into one row (megatron's `thd` layout), so a micro-batch has no
 padding at all: waste is zero by construction, and a job longer than the budget runs alone.
 `BatchTensors` is what every rank of a tensor-parallel group computes on; the leader builds it
-from decoded jobs and broadcasts it to its peers as plain tensors (no pickling).
+from decoded jobs and broadcasts it to its peers as plain tensors (no pickling), after a
+four-integer header that also carries the group's other commands (stop, reload, sleep, wake).
 """
 
 from __future__ import annotations
@@ -96,46 +97,73 @@ def batch_from_jobs(jobs: Sequence[Job]) -> BatchTensors:
     )
 
 
-# Control words sent before each batch: a batch follows, or the group stops.
-_BATCH, _STOP = 1, 0
+# Control words: what follows a header on the leader -> peers channel.
+STOP, BATCH, RELOAD, SLEEP, WAKE = 0, 1, 2, 3, 4
+
+
+def broadcast_header(
+    word: int, a: int = 0, b: int = 0, c: int = 0, *, src: int, group: dist.ProcessGroup | None
+) -> tuple[int, int, int, int]:
+    """Send (or receive) a fixed-size header of four integers from the leader."""
+    header = torch.tensor([word, a, b, c], dtype=torch.int64)
+    if group is not None:
+        dist.broadcast(header, src=src, group=group)
+    w, x, y, z = (int(v) for v in header)
+    return w, x, y, z
+
+
+def broadcast_text(text: str, *, src: int, group: dist.ProcessGroup | None) -> str:
+    """Send a short string (a checkpoint path) from the leader as a uint8 tensor."""
+    if group is None:
+        return text
+    is_src = dist.get_rank() == src
+    data = text.encode() if is_src else b""
+    (n, *_rest) = broadcast_header(len(data), src=src, group=group)
+    if n == 0:
+        return ""
+    buf = (
+        torch.tensor(list(data), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
+    )
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.tolist()).decode()
 
 
 def broadcast_batch(
     batch: BatchTensors | None, *, src: int, group: dist.ProcessGroup | None
 ) -> BatchTensors | None:
-    """Send the leader's batch (or a stop signal, batch=None) to every rank of `group`.
+    """Send the leader's batch (or, with batch=None, a stop signal) to every rank of `group`.
 
-    Returns the batch on every rank, or None when the leader signalled stop. Shapes travel in a
-    fixed-size header first so receivers can allocate; then one broadcast per tensor.
+    Shapes travel in the header so receivers can allocate; then one broadcast per tensor.
     """
     if group is None:
         return batch
-    is_src = dist.get_rank() == src
-    header = torch.zeros(4, dtype=torch.int64)
-    if is_src:
-        if batch is not None:
-            header[:] = torch.tensor(
-                [_BATCH, batch.num_jobs, batch.num_tokens, batch.labels_RW.shape[1]]
-            )
-        else:
-            header[0] = _STOP
-    dist.broadcast(header, src=src, group=group)
-    if int(header[0]) == _STOP:
+    if batch is None:
+        broadcast_header(STOP, src=src, group=group)
         return None
-    j, t, w = (int(x) for x in header[1:])
-    if not is_src:
-        batch = BatchTensors(
-            input_ids_T=torch.empty(t, dtype=torch.int64),
-            lengths_J=torch.empty(j, dtype=torch.int64),
-            label_width_J=torch.empty(j, dtype=torch.int64),
-            labels_RW=torch.empty((t - j, w), dtype=torch.int64),
-            top_k_J=torch.empty(j, dtype=torch.int64),
-            sample_n_J=torch.empty(j, dtype=torch.int64),
-            entropy_J=torch.empty(j, dtype=torch.int64),
-            seed_J=torch.empty(j, dtype=torch.int64),
-            temperature_J=torch.empty(j, dtype=torch.float64),
-        )
-    assert batch is not None
+    broadcast_header(BATCH, batch.num_jobs, batch.num_tokens, batch.labels_RW.shape[1],
+                     src=src, group=group)  # fmt: skip
+    return _batch_tensors(batch, src=src, group=group)
+
+
+def receive_batch(
+    j: int, t: int, w: int, *, src: int, group: dist.ProcessGroup | None
+) -> BatchTensors:
+    """On a peer, after a BATCH header: allocate and receive the batch."""
+    batch = BatchTensors(
+        input_ids_T=torch.empty(t, dtype=torch.int64),
+        lengths_J=torch.empty(j, dtype=torch.int64),
+        label_width_J=torch.empty(j, dtype=torch.int64),
+        labels_RW=torch.empty((t - j, w), dtype=torch.int64),
+        top_k_J=torch.empty(j, dtype=torch.int64),
+        sample_n_J=torch.empty(j, dtype=torch.int64),
+        entropy_J=torch.empty(j, dtype=torch.int64),
+        seed_J=torch.empty(j, dtype=torch.int64),
+        temperature_J=torch.empty(j, dtype=torch.float64),
+    )
+    return _batch_tensors(batch, src=src, group=group)
+
+
+def _batch_tensors(batch: BatchTensors, *, src: int, group: dist.ProcessGroup | None):
     for f in fields(batch):
         dist.broadcast(getattr(batch, f.name), src=src, group=group)
     return batch

@@ -148,7 +148,9 @@ class ConsumerMetrics:
         self._busy_since: float | None = None
         self._window: deque[tuple[float, int, int]] = deque()  # (monotonic, jobs, tokens)
         self._rate_window_s = rate_window_s
-        self._totals = {"jobs_done": 0, "jobs_failed": 0, "tokens": 0, "batches": 0}
+        # Named *_total so they never clash with a log call's own fields (jobs, tokens).
+        self._totals = {"jobs_done_total": 0, "jobs_failed_total": 0, "tokens_total": 0,
+                        "batches_total": 0}  # fmt: skip
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -183,7 +185,7 @@ class ConsumerMetrics:
         self._padding.observe(waste)
         self._padding_last.set(waste)
         with self._lock:
-            self._totals["batches"] += 1
+            self._totals["batches_total"] += 1
 
     def batch_failed(self) -> None:
         """A micro-batch failed as a whole (its jobs are retried one by one)."""
@@ -201,8 +203,8 @@ class ConsumerMetrics:
         self._tokens.inc(tokens)
         now = time.monotonic()
         with self._lock:
-            self._totals["jobs_done"] += 1
-            self._totals["tokens"] += tokens
+            self._totals["jobs_done_total"] += 1
+            self._totals["tokens_total"] += tokens
             self._window.append((now, 1, tokens))
             self._trim(now)
 
@@ -210,7 +212,7 @@ class ConsumerMetrics:
         """A job ended in a failure record (`reason`: a short class such as InvalidJob)."""
         self._jobs_failed.labels(self.queue, self.consumer, reason).inc()
         with self._lock:
-            self._totals["jobs_failed"] += 1
+            self._totals["jobs_failed_total"] += 1
 
     def dead_lettered(self, *, reason: str) -> None:
         """An entry moved to the dead-letter stream (`reason`: its exception class)."""
@@ -243,7 +245,8 @@ class ConsumerMetrics:
             self._window.popleft()
 
     def progress_fields(self) -> dict[str, Any]:
-        """Totals and rates over the last `rate_window_s` for a progress log line."""
+        """Totals (`*_total`) and rates over the last `rate_window_s`, as fields for the
+        leader's per-batch progress log line."""
         now = time.monotonic()
         with self._lock:
             self._trim(now)

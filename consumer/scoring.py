@@ -39,6 +39,16 @@ class Scorer:
             start=self.layout.tp_rank * per_rank, size=per_rank, vocab_size=self.spec.vocab_size
         )
 
+    def offload(self) -> None:
+        """Sleep: move the weights to host memory and release cached device memory."""
+        self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Wake: move the weights back to the device."""
+        self.model.to(self.device)
+
     def check(self, batch: BatchTensors) -> None:
         """Refuse a batch this model cannot score (ids outside its vocabulary, inconsistent
         lengths) before any collective starts; the leader validated jobs already, so this

@@ -6,7 +6,7 @@ import structlog
 import torch
 
 from consumer import cpu_compat
-from consumer.batching import batch_from_jobs
+from consumer.batching import batch_from_jobs, broadcast_text
 from consumer.faults import FaultInjector
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
@@ -27,11 +27,14 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def build_scorer(settings: Settings, layout: ParallelLayout) -> tuple[Scorer, str]:
-    """Load the configured teacher on this rank; returns the scorer and the model version."""
+def build_scorer(
+    settings: Settings, layout: ParallelLayout, path: str | None = None
+) -> tuple[Scorer, str]:
+    """Load the teacher on this rank — `path` if given (a weight update), else the configured
+    one; returns the scorer and the model version."""
     device = pick_device(settings.consumer.device)
     dtype = _DTYPES[settings.model.dtype]
-    path = settings.model.path
+    path = path or settings.model.path
     if path is None:
         from consumer.checkpoints import check_parallel
 
@@ -53,6 +56,14 @@ def build_scorer(settings: Settings, layout: ParallelLayout) -> tuple[Scorer, st
         chunk_rows=settings.consumer.head_chunk_rows,
     )
     return scorer, version
+
+
+def last_control_id(client, queue: str) -> str:
+    """Where the control stream ends now: commands after this are for this process."""
+    from shared import keys
+
+    last = client.xrevrange(keys.control_stream(queue), count=1)
+    return last[0][0].decode() if last else "0-0"
 
 
 def warmup(scorer: Scorer) -> None:
@@ -79,12 +90,29 @@ def run(settings: Settings) -> int:
         rank=layout.rank,
     )
     try:
-        scorer, version = build_scorer(settings, layout)
+        client, served = None, None
+        if layout.is_leader:
+            from shared import weights
+            from shared.redis_server import connect
+
+            client = connect(settings.redis)
+            control_cursor = last_control_id(client, settings.queue.name)
+            served = weights.current(client, settings.queue.name)
+        # The queue may have moved to other weights (update-weights): every rank loads those.
+        path = broadcast_text(
+            (served.path or "") if served else "", src=layout.leader_rank, group=layout.tp_group
+        )
+        scorer, version = build_scorer(settings, layout, path or None)
         warmup(scorer)
+
+        def reload(new_path: str) -> tuple[Scorer, str]:
+            fresh, fresh_version = build_scorer(settings, layout, new_path)
+            warmup(fresh)
+            return fresh, fresh_version
+
         if not layout.is_leader:
-            follow(scorer, faults)
+            follow(scorer, faults, reload=reload)
             return 0
-        from shared.redis_server import connect
         from shared.storage import ObjectStore
 
         st = settings.storage
@@ -95,14 +123,18 @@ def run(settings: Settings) -> int:
             access_key_id=st.access_key_id,
             secret_access_key=st.secret_access_key,
         )
+        assert client is not None and served is not None
         leader = Leader(
             settings=settings,
             scorer=scorer,
-            client=connect(settings.redis),
+            client=client,
             store=store,
             model_version=version,
             stop=stop,
             faults=faults,
+            reload=reload,
+            generation=served.generation,
+            control_cursor=control_cursor,
         )
         leader.run()
         return 0

@@ -32,14 +32,27 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from consumer.batching import BatchTensors, batch_from_jobs, broadcast_batch, plan_microbatches
+from consumer.batching import (
+    BATCH,
+    RELOAD,
+    SLEEP,
+    STOP,
+    WAKE,
+    BatchTensors,
+    batch_from_jobs,
+    broadcast_batch,
+    broadcast_header,
+    broadcast_text,
+    plan_microbatches,
+    receive_batch,
+)
 from consumer.claims import Claimer, Entry
 from consumer.faults import FaultInjector
 from consumer.heartbeat import Heartbeat
 from consumer.preflight import check_redis
 from consumer.scoring import Scorer
 from consumer.writer import ResultWriter, WriteTask
-from shared import keys
+from shared import keys, weights
 from shared.errors import InvalidJob
 from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
 from shared.settings import Settings
@@ -144,8 +157,16 @@ class Leader:
         model_version: str,
         stop: StopFlag,
         faults: FaultInjector,
+        reload: Callable[[str], tuple[Scorer, str]] | None = None,
+        generation: int = 0,
+        control_cursor: str = "0-0",
     ) -> None:
         self.s = settings
+        self.reload = reload
+        self.generation = generation
+        self.control_cursor = control_cursor
+        self.asleep = False
+        self._idle_since = time.monotonic()
         self.c = settings.consumer
         self.scorer = scorer
         self.r = client
@@ -194,6 +215,7 @@ class Leader:
         c = self.counters
         return {
             "model_version": self.model_version,
+            "model_generation": self.generation,
             "layout": self.scorer.layout.describe(),
             "jobs_done": c.jobs_done,
             "jobs_failed": c.jobs_failed,
@@ -227,11 +249,17 @@ class Leader:
                 if entries is None:  # stopped and nothing left in hand
                     break
                 if entries:
+                    self._wake()
                     self.heartbeat.state = "busy"
                     self._process_until_done(entries)
                     fetcher.processed()
+                    self._idle_since = time.monotonic()
+                elif self.stop.requested:
+                    self.heartbeat.state = "draining"
                 else:
-                    self.heartbeat.state = "draining" if self.stop.requested else "ready"
+                    self.heartbeat.state = "sleeping" if self.asleep else "ready"
+                    self._maybe_sleep()
+                self._check_control()
                 self._maybe_trim()
         finally:
             self.heartbeat.state = "draining"
@@ -313,6 +341,9 @@ class Leader:
                                   exc_type="TooManyDeliveries", deliveries=count,
                                   attempts=count - 1)  # fmt: skip
                 continue
+            if (job.request.min_model_generation or 0) > self.generation:
+                self._leave_for_newer(job)
+                continue
             jobs.append(job)
         jobs = self._skip_finished(jobs)
         # Entries delivered before were in flight when something died: run each alone, so a
@@ -375,6 +406,7 @@ class Leader:
             result = TeacherResult(
                 job_id=job.job_id,
                 model_version=self.model_version,
+                model_generation=self.generation,
                 metadata=job.request.metadata,
                 timings={
                     "queue_wait_ms": round(max(0.0, claimed_at - job.submitted_at) * 1000, 3),
@@ -463,6 +495,78 @@ class Leader:
             )  # fmt: skip
         )
         log.warning("job.dead_lettered", job_id=job_id, entry_id=entry_id, reason=reason)
+
+    def _leave_for_newer(self, job: Job) -> None:
+        """A job wants a newer model generation than ours: put it back on the stream (a fresh
+        entry, then XACK this one) for a newer replica — or for us after our next update."""
+        self.streams.requeue(job.entry_id, job.fields)
+        self.heartbeat.release(job.entry_id)
+        log.info("job.left_for_newer", job_id=job.job_id,
+                 wants=job.request.min_model_generation, serving=self.generation)  # fmt: skip
+        time.sleep(0.1)  # don't spin on a job no live replica can take yet
+
+    # -- weights, sleep -------------------------------------------------------------------
+
+    def _check_control(self) -> None:
+        """Apply commands other processes put on the control stream (weight updates)."""
+        reply = self.r.xread({keys.control_stream(self.queue): self.control_cursor}, count=100)
+        newest: tuple[str, int] | None = None
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self.control_cursor = entry_id.decode()
+                if fields.get(b"cmd") == b"update-weights":
+                    gen = int(fields[b"generation"])
+                    if gen > self.generation:
+                        newest = (fields[b"path"].decode(), gen)
+        if newest:
+            self._update_weights(*newest)
+
+    def _update_weights(self, path: str, generation: int) -> None:
+        """Drain, reload every rank from `path`, stamp the new version, acknowledge."""
+        if self.reload is None:
+            return
+        log.info("weights.update", path=path, generation=generation)
+        self.heartbeat.state = "updating"
+        self.writer.flush()  # results computed with the old weights are stored as such
+        was_asleep = self.asleep
+        self._wake()
+        layout = self.scorer.layout
+        broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
+        broadcast_text(path, src=layout.leader_rank, group=self._group)
+        self.scorer, self.model_version = self.reload(path)
+        self.generation = generation
+        self.r.hset(keys.model_key(self.queue),
+                    mapping={"vocab_size": self.scorer.spec.vocab_size,
+                             "version": self.model_version})  # fmt: skip
+        if was_asleep:
+            self._sleep()
+        self.heartbeat.state = "sleeping" if self.asleep else "ready"
+        self.heartbeat.beat()
+        live = weights.live_replicas(self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s)
+        done = weights.ack_update(self.r, self.queue, replica=self.name, generation=generation,
+                                  live_replicas=live)  # fmt: skip
+        log.info("weights.updated", model_version=self.model_version, generation=generation,
+                 completed_update=done)  # fmt: skip
+
+    def _maybe_sleep(self) -> None:
+        idle = self.c.sleep_after_idle_s
+        if idle and not self.asleep and time.monotonic() - self._idle_since > idle:
+            self._sleep()
+
+    def _sleep(self) -> None:
+        broadcast_header(SLEEP, src=self.scorer.layout.leader_rank, group=self._group)
+        self.scorer.offload()
+        self.asleep = True
+        self.heartbeat.state = "sleeping"
+        log.info("consumer.sleeping")
+
+    def _wake(self) -> None:
+        if not self.asleep:
+            return
+        broadcast_header(WAKE, src=self.scorer.layout.leader_rank, group=self._group)
+        self.scorer.onload()
+        self.asleep = False
+        log.info("consumer.awake")
 
     # -- retention ------------------------------------------------------------------------
 
@@ -589,14 +693,31 @@ class Prefetcher:
             self._thread.join(timeout=30)
 
 
-def follow(scorer: Scorer, faults: FaultInjector) -> None:
-    """A non-leader rank: score whatever the leader broadcasts until it signals stop."""
+def follow(
+    scorer: Scorer,
+    faults: FaultInjector,
+    *,
+    reload: Callable[[str], tuple[Scorer, str]] | None = None,
+) -> None:
+    """A non-leader rank: obey the leader's commands — score batches, reload, sleep, wake —
+    until it signals stop."""
     layout = scorer.layout
+    src, group = layout.leader_rank, layout.tp_group
     while True:
-        batch = broadcast_batch(None, src=layout.leader_rank, group=layout.tp_group)
-        if batch is None:
+        word, a, b, c = broadcast_header(STOP, src=src, group=group)
+        if word == STOP:
             return
-        try:
-            score_agreed(scorer, batch, faults)
-        except GroupFailure as exc:
-            log.warning("batch.failed", rank=layout.rank, error=str(exc))
+        if word == BATCH:
+            batch = receive_batch(a, b, c, src=src, group=group)
+            try:
+                score_agreed(scorer, batch, faults)
+            except GroupFailure as exc:
+                log.warning("batch.failed", rank=layout.rank, error=str(exc))
+        elif word == RELOAD:
+            path = broadcast_text("", src=src, group=group)
+            if reload is not None:
+                scorer, _ = reload(path)
+        elif word == SLEEP:
+            scorer.offload()
+        elif word == WAKE:
+            scorer.onload()

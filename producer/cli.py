@@ -195,6 +195,26 @@ def replay(
     out.print(table)
 
 
+@app.command("update-weights")
+def update_weights(
+    path: Annotated[str, typer.Argument(help="Checkpoint directory every replica can read.")],
+    wait: bool = typer.Option(True, help="Wait until every live replica serves it."),
+    timeout: float = typer.Option(1800.0, help="With --wait: give up after this many seconds."),
+) -> None:
+    """Make every consumer of the queue drain in-flight work and reload from PATH."""
+    from shared.weights import UpdateInProgress
+
+    settings = _settings()
+    try:
+        req = _client(settings).update_weights(path, wait=wait, timeout=timeout)
+    except UpdateInProgress as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(3) from None
+    how = "joined the running update" if req.coalesced else "started"
+    state = "served by every live replica" if wait else "requested"
+    typer.echo(f"generation {req.generation}: {how}, {state} (request {req.request_id})")
+
+
 @app.command()
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""

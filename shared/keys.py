@@ -53,6 +53,16 @@ def replays_key(queue: str) -> str:
     return f"{_q(queue)}:replays"
 
 
+def weights_key(queue: str) -> str:
+    """Hash describing the weights the queue should serve: path, generation, update state."""
+    return f"{_q(queue)}:weights"
+
+
+def control_stream(queue: str) -> str:
+    """Stream of commands every replica reads (weight updates), and their completions."""
+    return f"{_q(queue)}:control"
+
+
 def consumers_key(queue: str) -> str:
     """Hash consumer name -> JSON heartbeat record (state, layout, model version, time)."""
     return f"{_q(queue)}:consumers"

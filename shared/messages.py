@@ -59,8 +59,10 @@ class TeacherRequest(BaseModel):
     """Idempotency key; unset: a content hash of the request and queue."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free-form JSON metadata returned untouched with the result."""
-    min_model_version: str | None = None
-    """Only a consumer serving at least this model version may compute the job."""
+    min_model_generation: int | None = None
+    """Only a consumer serving at least this model generation may compute the job (each
+    `update-weights` increments the queue's generation; results carry the one that computed
+    them). Older replicas leave the job for newer ones."""
     trace: dict[str, str] = Field(default_factory=dict)
     """Trace carrier (trace_id, parent span) set by the client."""
 
@@ -224,7 +226,7 @@ def encode_job(req: TeacherRequest, *, job_id: str, submitted_at: float | None =
     meta = {k: getattr(req, k) for k in _OPTION_FIELDS}
     meta.update(
         metadata=req.metadata,
-        min_model_version=req.min_model_version,
+        min_model_generation=req.min_model_generation,
         trace=req.trace,
         submitted_at=submitted_at if submitted_at is not None else time.time(),
     )
@@ -307,7 +309,7 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
     except CodecError as exc:
         raise InvalidJob(str(exc)) from None
     submitted_at = meta.pop("submitted_at", None)
-    unknown = set(meta) - set(_OPTION_FIELDS) - {"metadata", "min_model_version", "trace"}
+    unknown = set(meta) - set(_OPTION_FIELDS) - {"metadata", "min_model_generation", "trace"}
     if unknown:
         raise InvalidJob(f"field 'meta' has unknown keys {sorted(unknown)}")
     req = parse_request({"input_ids": ids, "label_token_ids": labels, "job_id": job_id, **meta})
@@ -349,6 +351,7 @@ class TeacherResult:
 
     job_id: str
     model_version: str = ""
+    model_generation: int = 0  # the queue's weight generation that computed it
     logprobs: np.ndarray | None = None  # [L-1]
     label_logprobs: np.ndarray | None = None  # [L-1, W]
     sampled_token_ids: np.ndarray | None = None  # [L-1, n]

@@ -44,6 +44,7 @@ def encode_record(
     meta: dict[str, Any] = {
         "job_id": result.job_id,
         "model_version": result.model_version,
+        "model_generation": result.model_generation,
         "metadata": result.metadata,
         "timings": result.timings,
         "error": result.error,
@@ -75,6 +76,7 @@ def decode_record(fields: dict[bytes, bytes], *, store: ObjectStore | None) -> T
     result = TeacherResult(
         job_id=meta["job_id"],
         model_version=meta.get("model_version", ""),
+        model_generation=int(meta.get("model_generation", 0)),
         metadata=meta.get("metadata") or {},
         timings=meta.get("timings") or {},
         error=meta.get("error"),

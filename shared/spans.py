@@ -283,4 +283,4 @@ class TraceStore:
     def jobs_between(self, since: float, until: float, *, limit: int = 1000) -> list[str]:
         """Job ids whose first recorded span started in [since, until], oldest first."""
         raw = self.r.zrangebyscore(trace_jobs_key(self.queue), since, until, start=0, num=limit)
-        return [j.decode() if isinstance(j, bytes) else j for j in raw]
+        return [j.decode() if isinstance(j, bytes) else str(j) for j in raw]

@@ -69,6 +69,14 @@ return wrote
 )
 
 
+# KEYS: jobs stream. ARGV: group, entry id, then the entry's field/values. Re-adds an entry
+# as a new one and acknowledges the old, atomically; its tokens stay counted as pending.
+_REQUEUE = """
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
 class Streams:
     """The queue's stream protocol on one Redis client."""
 
@@ -82,6 +90,7 @@ class Streams:
         self._submit = client.register_script(_SUBMIT)
         self._complete = client.register_script(_COMPLETE)
         self._ack = client.register_script(_ACK_ONLY)
+        self._requeue = client.register_script(_REQUEUE)
         self.pending_tokens_key = keys.pending_tokens_key(queue)
 
     def ensure_group(self) -> None:
@@ -104,6 +113,13 @@ class Streams:
     def ack(self, entry_id: str, *, tokens: int) -> None:
         """Acknowledge an entry without writing a result (e.g. a duplicate)."""
         self._ack(keys=[self.jobs, self.pending_tokens_key], args=[self.group, entry_id, tokens])
+
+    def requeue(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        """Put an entry back at the end of the stream as a new entry (for another consumer)."""
+        argv: list[Any] = [self.group, entry_id]
+        for k, v in fields.items():
+            argv += [k, v]
+        self._requeue(keys=[self.jobs], args=argv)
 
     def pending_tokens(self) -> int:
         """Tokens submitted through `submit` and not yet acknowledged."""

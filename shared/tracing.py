@@ -99,6 +99,7 @@ class _SinkState:
     def __init__(self) -> None:
         self.sink: SpanSink | None = None
         self.process: str | None = None
+        self.rank: Any = None
         self.failures = 0
         self.lock = threading.Lock()
 
@@ -107,12 +108,19 @@ _state = _SinkState()
 _HOST = socket.gethostname()
 
 
-def configure_sink(sink: SpanSink | None, *, process: str | None = None) -> SpanSink | None:
+def configure_sink(
+    sink: SpanSink | None, *, process: str | None = None, rank: Any = None
+) -> SpanSink | None:
     """Send every finished span record to `sink` (None: stop recording); returns the previous
     sink. `process` names this process in records (e.g. "consumer gpu3-dp0"), which trace
-    viewers show instead of host:pid. Call once in main()."""
+    viewers show instead of host:pid; `rank` (default: the `rank` bound in the log context
+    now) is recorded for spans finished where the context has none, such as a thread pool's
+    threads. Call once in main()."""
+    if rank is None:
+        rank = structlog.contextvars.get_contextvars().get("rank")
     with _state.lock:
-        previous, _state.sink, _state.process = _state.sink, sink, process
+        previous, _state.sink = _state.sink, sink
+        _state.process, _state.rank = process, rank
     return previous
 
 
@@ -157,7 +165,7 @@ def _make_record(
         "pid": os.getpid(),
         "host": _HOST,
     }
-    rank = structlog.contextvars.get_contextvars().get("rank")
+    rank = structlog.contextvars.get_contextvars().get("rank", _state.rank)
     if rank is not None:
         rec["rank"] = rank
     if error is not None:
