@@ -67,8 +67,8 @@ class Scorer:
         """Final hidden states [T, H] of the packed batch (documents attend only to
         themselves, positions restart at 0 in each)."""
         lengths = batch.lengths_J.tolist()
-        ids = batch.input_ids_T.to(self.device, non_blocking=True)
-        pos = torch.cat([torch.arange(n) for n in lengths]).to(self.device, non_blocking=True)
+        ids = _to_device(batch.input_ids_T, self.device)
+        pos = _to_device(torch.cat([torch.arange(n) for n in lengths]), self.device)
         packed = DocumentBounds.from_lengths(lengths, self.device) if len(lengths) > 1 else None
         hidden = self.model(ids[None], pos[None], attention_mask=None, packed_seq_params=packed)
         return hidden.reshape(ids.shape[0], -1)
@@ -113,6 +113,13 @@ class Scorer:
             for j, arrays in zip(jobs, _split_per_job(out, batch, jobs), strict=True):
                 results[j] = arrays
         return results
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy; through pinned memory on CUDA so the copy is truly asynchronous."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
 
 
 def _output_groups(batch: BatchTensors) -> list[list[int]]:

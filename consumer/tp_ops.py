@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,8 @@ __all__ = [
 # Row chunks are sized so one fp32 [R, V] buffer holds about this many elements; the sampling
 # scratch adds 20 bytes per element on top of the 4-byte tempered logits.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# Default chunk of the fused CUDA kernels (consumer/kernels), which hold only the logits chunk.
+_FUSED_CHUNK_ELEMENTS = 1 << 27
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64 increment (golden ratio)
@@ -452,14 +455,32 @@ def _as_words(x_RX: torch.Tensor) -> torch.Tensor:
     return x_RX.to(torch.int32)
 
 
-def _head_chunk(
+class LocalReduction(NamedTuple):
+    """What one rank contributes per row of a chunk before the exchange (see _head_chunk).
+
+    Sums are relative to the row's finite local max (0 when it has none) and leave out the
+    local top-k candidates, which travel themselves. `overflow_R` (fused kernels only) marks
+    rows whose result the kernels could not guarantee; None from the reference path.
+    """
+
+    stats_R3: torch.Tensor  # fp32 [R, 3]: local max, rest sum of exp, rest sum of exp * shift
+    tz_RW: torch.Tensor  # fp32, tempered logits of the targets this rank owns, -inf elsewhere
+    cand_val_RK: torch.Tensor  # fp32
+    cand_id_RK: torch.Tensor  # int64, global ids
+    skey_RN: torch.Tensor  # fp32, best Gumbel key per sample on this shard
+    sid_RN: torch.Tensor  # int64, its global id
+    sz_RN: torch.Tensor  # fp32, its tempered logit
+    overflow_R: torch.Tensor | None = None  # bool
+
+
+def _local_reduce(
     req: _Request,
     logits_RV: torch.Tensor,
     target_ids_RW: torch.Tensor,
     inv_temperature_R: torch.Tensor,
     keys_RN: torch.Tensor | None,
-) -> tuple[HeadOutputs, torch.Tensor]:
-    """Outputs for one row chunk, plus a [R] mask of rows whose logits were unusable."""
+) -> LocalReduction:
+    """The reference (PyTorch) local reduction of one row chunk; the CPU path."""
     shard, k, n = req.shard, req.top_k, req.sample_n
     rows, width = logits_RV.shape
     device = logits_RV.device
@@ -511,20 +532,63 @@ def _head_chunk(
     del z_RV, y_RV, e_RV
 
     stats_R3 = torch.stack([m_R, s_rest_R, u_rest_R], dim=1)
+    return LocalReduction(stats_R3, tz_RW, cand_val_RK, cand_id_RK, skey_RN, sid_RN, sz_RN)
+
+
+# Switch for benchmarks and tests: False runs the reference path on CUDA too.
+FUSED_KERNELS = True
+
+
+def _fused_backend(device: torch.device):  # -> the consumer.kernels module or None
+    """consumer.kernels when the chunk can run through the fused Triton kernels, else None."""
+    if device.type != "cuda" or not FUSED_KERNELS:
+        return None
+    try:
+        from consumer import kernels
+    except ImportError:  # no Triton here: the reference path serves CUDA as well
+        return None
+    return kernels
+
+
+def _head_chunk(
+    req: _Request,
+    logits_RV: torch.Tensor,
+    target_ids_RW: torch.Tensor,
+    inv_temperature_R: torch.Tensor,
+    keys_RN: torch.Tensor | None,
+    fused=None,  # the consumer.kernels module, or None for the reference path
+) -> tuple[HeadOutputs, torch.Tensor, torch.Tensor | None]:
+    """Outputs for one row chunk, a [R] mask of rows whose logits were unusable, and (fused
+    path only) a [R] mask of rows the kernels could not finish exactly."""
+    local = None
+    if fused is not None:
+        # None: a chunk shape the kernels do not cover; the reference path takes it.
+        local = fused.local_reduce(
+            logits_RV=logits_RV,
+            shard=req.shard,
+            target_ids_RW=target_ids_RW,
+            inv_temperature_R=inv_temperature_R,
+            keys_RN=keys_RN,
+            top_k=req.top_k,
+            want_entropy=req.want_entropy,
+        )
+    if local is None:
+        local = _local_reduce(req, logits_RV, target_ids_RW, inv_temperature_R, keys_RN)
     payload_RD = torch.cat(
         [
-            _as_words(stats_R3),
-            _as_words(tz_RW),
-            _as_words(cand_val_RK),
-            _as_words(cand_id_RK),
-            _as_words(skey_RN),
-            _as_words(sid_RN),
-            _as_words(sz_RN),
+            _as_words(local.stats_R3),
+            _as_words(local.tz_RW),
+            _as_words(local.cand_val_RK),
+            _as_words(local.cand_id_RK),
+            _as_words(local.skey_RN),
+            _as_words(local.sid_RN),
+            _as_words(local.sz_RN),
         ],
         dim=1,
     )
     gathered_PRD = _all_gather_rows(payload_RD, req)
-    return _merge(req, gathered_PRD, target_ids_RW.shape[1])
+    out, bad_R = _merge(req, gathered_PRD, target_ids_RW.shape[1])
+    return out, bad_R, local.overflow_R
 
 
 def _all_gather_rows(payload_RD: torch.Tensor, req: _Request) -> torch.Tensor:
@@ -637,6 +701,7 @@ def _run_chunks(
     want_entropy: bool,
     chunk_rows: int | None,
     comm: CommStats | None,
+    allow_fused: bool = True,
 ) -> HeadOutputs:
     rank, tp_size = _group_layout(tp_group)
     _check_inputs(
@@ -653,6 +718,10 @@ def _run_chunks(
         seed_T=seed_T,
         position_T=position_T,
     )
+    fused = _fused_backend(device) if allow_fused else None
+    if fused is not None and chunk_rows is None:
+        # The kernels keep no fp32 [R, V] scratch, so the default chunk can be larger.
+        chunk_rows = max(1, _FUSED_CHUNK_ELEMENTS // max(width, 1))
     step = _auto_chunk_rows(chunk_rows, width)
     if target_ids_TW is None:
         target_ids_TW = torch.empty((rows, 0), dtype=torch.int64, device=device)
@@ -679,21 +748,55 @@ def _run_chunks(
         assert seed_T is not None and position_T is not None  # checked above
         keys_TN = stream_keys(seed_T=seed_T, position_T=position_T, sample_n=sample_n)
     bad_T = torch.zeros(rows, dtype=torch.bool, device=device)
+    over_T = torch.zeros(rows, dtype=torch.bool, device=device) if fused is not None else None
 
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        part, bad_R = _head_chunk(
+        part, bad_R, over_R = _head_chunk(
             req,
             logits_chunk(r0, r1),
             target_ids_TW[r0:r1],
             inv_temperature_T[r0:r1],
             None if keys_TN is None else keys_TN[r0:r1],
+            fused,
         )
         for f in fields(out):
             dst = getattr(out, f.name)
             if dst is not None:
                 dst[r0:r1] = getattr(part, f.name)
         bad_T[r0:r1] = bad_R
+        if over_T is not None and over_R is not None:
+            over_T[r0:r1] = over_R
+
+    if over_T is not None:
+        # One host sync for both checks. A row the kernels could not finish (a huge tie at the
+        # top-k threshold) may sit on any rank, so the ranks agree before all of them redo the
+        # call on the reference path, collectives included.
+        flags = torch.stack([bad_T.any(), over_T.any()]).to(torch.int32)
+        if tp_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=tp_group)
+        any_bad, any_over = flags.tolist()
+        if any_over:
+            return _run_chunks(
+                rows=rows,
+                width=width,
+                device=device,
+                logits_chunk=logits_chunk,
+                shard=shard,
+                tp_group=tp_group,
+                target_ids_TW=target_ids_TW,
+                inv_temperature_T=inv_temperature_T,
+                top_k=top_k,
+                sample_n=sample_n,
+                seed_T=seed_T,
+                position_T=position_T,
+                want_entropy=want_entropy,
+                chunk_rows=chunk_rows,
+                comm=comm,
+                allow_fused=False,
+            )
+        if not any_bad:
+            return out
 
     # Every rank merged the same gathered data, so every rank raises (or not) together.
     if bool(bad_T.any()):

@@ -94,8 +94,15 @@ class Counters:
     duplicates_skipped: int = 0
     tokens: int = 0
     batches: int = 0
-    busy_s: float = 0.0  # time the device spent scoring
-    wait_s: float = 0.0  # time the loop waited for work while jobs were queued
+    busy_s: float = 0.0  # time the group spent scoring
+    idle_s: float = 0.0  # time with work available but the group not scoring (see run)
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of working time the device was not computing although work was at hand."""
+        total = self.busy_s + self.idle_s
+        return round(self.idle_s / total, 4) if total else 0.0
+
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -167,6 +174,7 @@ class Leader:
         self.control_cursor = control_cursor
         self.asleep = False
         self._idle_since = time.monotonic()
+        self._busy_streak = False
         self.c = settings.consumer
         self.scorer = scorer
         self.r = client
@@ -221,6 +229,7 @@ class Leader:
             "jobs_failed": c.jobs_failed,
             "tokens": c.tokens,
             "reclaimed": self.claimer.stats.reclaimed,
+            "device_idle_fraction": c.idle_fraction,
             "deleted_entries": self.claimer.stats.deleted,
         }
 
@@ -245,18 +254,30 @@ class Leader:
         )
         try:
             while True:
+                t_wait = time.perf_counter()
                 entries = fetcher.get(timeout_s=self.c.block_ms / 1000)
                 if entries is None:  # stopped and nothing left in hand
                     break
                 if entries:
+                    # Idle = waiting for entries that were already there (the prefetcher was
+                    # behind) + everything in processing that is not scoring (decode, checks,
+                    # handing results to the writers).
+                    waited = time.perf_counter() - t_wait if self._busy_streak else 0.0
+                    busy_before = self.counters.busy_s
+                    t_proc = time.perf_counter()
                     self._wake()
                     self.heartbeat.state = "busy"
                     self._process_until_done(entries)
                     fetcher.processed()
+                    spent = time.perf_counter() - t_proc
+                    self.counters.idle_s += waited + spent - (self.counters.busy_s - busy_before)
+                    self._busy_streak = True
                     self._idle_since = time.monotonic()
                 elif self.stop.requested:
+                    self._busy_streak = False
                     self.heartbeat.state = "draining"
                 else:
+                    self._busy_streak = False  # the queue ran dry: waiting now is not idling
                     self.heartbeat.state = "sleeping" if self.asleep else "ready"
                     self._maybe_sleep()
                 self._check_control()
@@ -267,7 +288,9 @@ class Leader:
             self.writer.close()
             broadcast_batch(None, src=self.scorer.layout.leader_rank, group=self._group)
             self.heartbeat.stop("stopped")
-            log.info("consumer.stopped", consumer=self.name, **vars(self.counters))
+            log.info("consumer.stopped", consumer=self.name,
+                     device_idle_fraction=self.counters.idle_fraction,
+                     **vars(self.counters))  # fmt: skip
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -423,8 +446,10 @@ class Leader:
                     batch_id=batch_id,
                 )  # fmt: skip
             )
+        # Packing documents back to back (thd) computes no padding tokens at all.
         log.info("batch.done", batch_id=batch_id, jobs=len(jobs), tokens=batch.num_tokens,
-                 compute_ms=round(compute_s * 1000, 2))  # fmt: skip
+                 compute_ms=round(compute_s * 1000, 2), padding_waste=0.0,
+                 device_idle_fraction=self.counters.idle_fraction)  # fmt: skip
 
     def _written(self, task: WriteTask, wrote: bool) -> None:
         self.heartbeat.release(task.entry_id)
