@@ -73,6 +73,41 @@ def model_key(queue: str) -> str:
     return f"{_q(queue)}:model"
 
 
+def datasets_index_key(queue: str) -> str:
+    """Sorted set of the queue's dataset ids, scored by creation time."""
+    return f"{_q(queue)}:datasets"
+
+
+def dataset_key(queue: str, dataset_id: str) -> str:
+    """Hash: the dataset record (spec, state, timestamps, ingest progress)."""
+    return f"{_q(queue)}:dataset:{dataset_id}"
+
+
+def dataset_rejected_key(queue: str, dataset_id: str) -> str:
+    """Hash row index -> reason, for the dataset's rows refused at ingest."""
+    return f"{dataset_key(queue, dataset_id)}:rejected"
+
+
+def dataset_finished_key(queue: str, dataset_id: str) -> str:
+    """Bitmap: bit i set once the dataset's row i has a result record (ok or failed)."""
+    return f"{dataset_key(queue, dataset_id)}:finished"
+
+
+def dataset_failed_key(queue: str, dataset_id: str) -> str:
+    """Bitmap: bit i set when the dataset's row i has a failed result."""
+    return f"{dataset_key(queue, dataset_id)}:failed"
+
+
+def dataset_rate_key(queue: str, dataset_id: str) -> str:
+    """List of recent `[time, finished rows]` samples (newest first), for the dataset's ETA."""
+    return f"{dataset_key(queue, dataset_id)}:rate"
+
+
+def dataset_lease_key(queue: str, dataset_id: str) -> str:
+    """Owner token of the one rq job working on the dataset, with a short TTL."""
+    return f"{dataset_key(queue, dataset_id)}:lease"
+
+
 # TTLs and limits.
 SUBMITTED_TTL_S = 7 * 24 * 3600
 DONE_STREAM_MAXLEN = 100_000  # completion notices are advisory: results live in result_key

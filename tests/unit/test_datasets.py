@@ -243,7 +243,7 @@ def test_rows_table_round_trips_exactly_through_parquet() -> None:
 
 
 def test_manifest_counts_failures_versions_and_caps(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(D, "MAX_MANIFEST_FAILURES", 2)
+    monkeypatch.setattr(D.export, "MAX_MANIFEST_FAILURES", 2)
     stats = D.ExportStats()
     stats.add(D.ExportRow(0, "ds:0", "ok", None, _result("ds:0", 4, version="a")))
     stats.add(D.ExportRow(1, "ds:1", "rejected", "input_ids is empty", None))
