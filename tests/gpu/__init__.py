@@ -1,0 +1,1 @@
+"""Tests that need CUDA (skipped elsewhere)."""

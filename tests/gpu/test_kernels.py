@@ -1,0 +1,208 @@
+"""consumer.kernels (the fused Triton head) against the PyTorch reference path of tp_ops.
+
+Samples must be bit-identical to the reference (same ids, same keys, same tempered logits),
+on CUDA and on CPU; top-k ids identical; every value equal to fp32 rounding (sums run in
+another order). Vocabulary of the Qwen2.5-7B size, so the kernels loop over ~150 blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from consumer import kernels, tp_ops  # noqa: E402 - after the skips: kernels needs Triton
+from consumer.kernels import gumbel, rowstats  # noqa: E402
+
+VOCAB, PADDED = 151936, 152064
+CUDA = torch.device("cuda")
+# fp32 log-probs near -12, summed in another order: a few ulps.
+TOL = {"atol": 5e-5, "rtol": 1e-5}
+
+
+def _logits(rows: int, *, dtype: torch.dtype, seed: int, width: int = PADDED) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, generator=gen) * 3.0
+    logits[1, 100:5000] = float("-inf")  # masked tokens
+    logits[2, 1234] = 60.0  # one dominant token
+    logits[3] = torch.randn(width, generator=gen) * 0.05  # nearly flat: many bf16 ties
+    return logits.to(dtype)
+
+
+def _row_args(rows: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed + 1)
+    temps = [(0.3, 0.7, 1.0, 1.5, 4.0)[i % 5] for i in range(rows)]
+    seed_T = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
+    return {
+        "inv": tp_ops.validate_temperature(temperature_T=temps),
+        "seed": seed_T,
+        "pos": torch.randint(0, 1 << 40, (rows,), generator=gen),
+        "targets": torch.randint(0, VOCAB, (rows, 3), generator=gen),
+    }
+
+
+def _reference_z(logits: torch.Tensor, inv: torch.Tensor, valid: int) -> torch.Tensor:
+    z = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    torch.mul(logits, inv.float()[:, None], out=z)
+    z[:, valid:] = float("-inf")
+    return z
+
+
+@pytest.mark.parametrize(
+    ("block_v", "per_program", "tp_rank", "fast"),
+    [(1024, 1, 0, True), (2048, 2, 1, True), (512, 4, 0, False), (1024, 1, 1, False)],
+)
+def test_gumbel_kernel_is_bit_identical_to_the_reference(block_v, per_program, tp_rank, fast):
+    rows, n, tp = 24, 8, 2
+    shard = tp_ops.vocab_shard(rank=tp_rank, tp_size=tp, padded_vocab=PADDED, vocab_size=VOCAB)
+    logits = _logits(rows, dtype=torch.bfloat16, seed=block_v, width=shard.size)
+    a = _row_args(rows, seed=block_v)
+    keys = tp_ops.stream_keys(seed_T=a["seed"], position_T=a["pos"], sample_n=n)
+    cfg = gumbel.CONFIG
+    old = (cfg.block_v, cfg.samples_per_program, cfg.fast_screen)
+    cfg.block_v, cfg.samples_per_program, cfg.fast_screen = block_v, per_program, fast
+    try:
+        got = kernels.gumbel_argmax(
+            logits_RV=logits.to(CUDA),
+            inv_temperature_R=a["inv"].to(CUDA),
+            keys_RN=keys.to(CUDA),
+            start=shard.start,
+            valid=shard.valid_size,
+        )
+    finally:
+        cfg.block_v, cfg.samples_per_program, cfg.fast_screen = old
+    z_cuda = _reference_z(logits.to(CUDA), a["inv"].to(CUDA), shard.valid_size)
+    on_cuda = tp_ops._local_samples(z_cuda, keys.to(CUDA), shard)
+    on_cpu = tp_ops._local_samples(z_cuda.cpu(), keys, shard)
+    for ref in (on_cuda, on_cpu):
+        for want, have in zip(ref, got, strict=True):
+            assert torch.equal(want.cpu(), have.cpu())
+
+
+def _head(logits: torch.Tensor, a: dict, *, fused: bool, device: torch.device, **kw) -> dict:
+    old = tp_ops.FUSED_KERNELS
+    tp_ops.FUSED_KERNELS = fused
+    try:
+        out = tp_ops.head_from_logits(
+            logits_TV=logits.to(device),
+            shard=tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=PADDED, vocab_size=VOCAB),
+            tp_group=None,
+            target_ids_TW=a["targets"].to(device),
+            inv_temperature_T=a["inv"].to(device),
+            seed_T=a["seed"].to(device),
+            position_T=a["pos"].to(device),
+            **kw,
+        )
+    finally:
+        tp_ops.FUSED_KERNELS = old
+    return {k: (None if v is None else v.cpu()) for k, v in vars(out).items()}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for name, w in want.items():
+        g = got[name]
+        if w is None:
+            assert g is None, name
+        elif w.dtype.is_floating_point:
+            torch.testing.assert_close(g, w, **TOL, msg=name)
+        else:
+            assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("top_k", "sample_n", "entropy"), [(64, 8, True), (256, 2, False)])
+def test_fused_head_matches_the_reference(dtype, top_k, sample_n, entropy):
+    rows = 40
+    logits = _logits(rows, dtype=dtype, seed=7)
+    a = _row_args(rows, seed=7)
+    kw = dict(top_k=top_k, sample_n=sample_n, want_entropy=entropy, chunk_rows=16)
+    fused = _head(logits, a, fused=True, device=CUDA, **kw)
+    _assert_same(fused, _head(logits, a, fused=False, device=CUDA, **kw))
+    _assert_same(fused, _head(logits, a, fused=False, device=torch.device("cpu"), **kw))
+
+
+def test_label_only_head_matches_the_reference():
+    logits = _logits(33, dtype=torch.bfloat16, seed=3)
+    a = _row_args(33, seed=3)
+    kw = dict(top_k=0, sample_n=0, want_entropy=False, chunk_rows=10)
+    _assert_same(
+        _head(logits, a, fused=True, device=CUDA, **kw),
+        _head(logits, a, fused=False, device=torch.device("cpu"), **kw),
+    )
+
+
+def test_threshold_ties_fall_back_to_the_reference():
+    # A constant row ties every column at the top-k threshold: more candidates than the
+    # buffer holds, so tp_ops must redo the call on the reference path.
+    logits = _logits(8, dtype=torch.bfloat16, seed=5)
+    logits[4] = 1.5
+    a = _row_args(8, seed=5)
+    kw = dict(top_k=64, sample_n=4, want_entropy=True, chunk_rows=8)
+    flags = []
+    original = kernels.local_reduce
+
+    def spy(**k):
+        out = original(**k)
+        flags.append(bool(out.overflow_R.any()))
+        return out
+
+    kernels.local_reduce = spy
+    try:
+        got = _head(logits, a, fused=True, device=CUDA, **kw)
+    finally:
+        kernels.local_reduce = original
+    assert flags == [True]
+    _assert_same(got, _head(logits, a, fused=False, device=torch.device("cpu"), **kw))
+    assert torch.equal(got["topk_ids_TK"][4], torch.arange(64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_bad_logits_raise(bad):
+    logits = _logits(6, dtype=torch.float32, seed=9)
+    logits[5, 777] = bad
+    a = _row_args(6, seed=9)
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        _head(logits, a, fused=True, device=CUDA, top_k=8, sample_n=2, want_entropy=True)
+
+
+def test_chunked_head_fused_equals_reference_on_cuda():
+    rows, hidden = 2500, 256
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    hidden_TH = torch.randn(rows, hidden, generator=gen, device=CUDA).to(torch.bfloat16)
+    weight_VH = (torch.randn(PADDED, hidden, generator=gen, device=CUDA) * 0.15).to(torch.bfloat16)
+    shard = tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=PADDED, vocab_size=VOCAB)
+    args = dict(
+        hidden_TH=hidden_TH,
+        weight_VH=weight_VH,
+        shard=shard,
+        tp_group=None,
+        target_ids_TW=torch.randint(0, VOCAB, (rows, 1), generator=gen, device=CUDA),
+        inv_temperature_T=torch.full((rows,), 1.25, device=CUDA),
+        top_k=64,
+        sample_n=8,
+        seed_T=torch.full((rows,), 42, dtype=torch.int64, device=CUDA),
+        position_T=torch.arange(rows, device=CUDA),
+        want_entropy=True,
+        chunk_rows=1024,
+    )
+    outs = []
+    for fused in (True, False):
+        tp_ops.FUSED_KERNELS = fused
+        try:
+            out = tp_ops.chunked_head(**args)
+        finally:
+            tp_ops.FUSED_KERNELS = True
+        outs.append({k: (None if v is None else v.cpu()) for k, v in vars(out).items()})
+    _assert_same(outs[0], outs[1])
+
+
+def test_rowstats_config_is_consistent():
+    # block_v is also the number of groups behind the top-k threshold: at least the largest k
+    # a queue accepts by default (QueueSettings.max_top_k = 256), and a power of 2.
+    block_v = rowstats.CONFIG.block_v
+    assert block_v >= 256 and block_v & (block_v - 1) == 0
