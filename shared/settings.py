@@ -192,8 +192,9 @@ class ConsumerSettings(_Section):
     max_deliveries: int = Field(default=3, ge=1)
     """An entry delivered more often than this goes to the dead-letter stream."""
 
-    head_chunk_rows: int = Field(default=1024, ge=1)
-    """Rows of logits the head processes at once (peak extra memory ~ rows x vocab/tp x 4 B)."""
+    head_chunk_rows: int = Field(default=4096, ge=1)
+    """Rows of logits the head processes at once: peak extra memory ~ rows x vocab/tp x 2 B on
+    the GPU (fused kernels read the bf16 chunk) and a few fp32 copies of it on the CPU."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; auto picks CUDA when available."""
