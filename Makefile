@@ -10,7 +10,7 @@ STAMP := $(VENV)/.teacherq-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint setup clean checkpoint
+.PHONY: demo test lint setup clean browser
 
 setup: $(STAMP)
 
@@ -29,7 +29,14 @@ demo: $(STAMP)
 	test -f $(DEMO_CKPT)/config.json || $(PY) scripts/make_checkpoint.py --family qwen2 --out $(DEMO_CKPT)
 	TEACHERQ_MODEL__PATH=$${TEACHERQ_MODEL__PATH:-$(DEMO_CKPT)} $(VENV)/bin/teacherq demo
 
-test: $(STAMP)
+# The trace timeline test renders the HTML page in headless Chromium (Debian's package).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  else echo "install Debian's chromium (sudo apt-get install chromium) for the trace page test"; fi; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

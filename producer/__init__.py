@@ -6,7 +6,14 @@ This package never imports torch or megatron (except `producer.optim`, imported 
 """
 
 from producer.client import TeacherClient
-from shared.errors import InvalidJob, JobFailed
+from shared.errors import InvalidJob, JobFailed, QueueFull
 from shared.messages import TeacherRequest, TeacherResult
 
-__all__ = ["InvalidJob", "JobFailed", "TeacherClient", "TeacherRequest", "TeacherResult"]
+__all__ = [
+    "InvalidJob",
+    "JobFailed",
+    "QueueFull",
+    "TeacherClient",
+    "TeacherRequest",
+    "TeacherResult",
+]

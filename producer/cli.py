@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer.cli_datasets import register
+from producer import cli_datasets, cli_observe
 from shared.settings import Settings, SettingsError, load_settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -36,8 +36,12 @@ def _setup_logging(settings: Settings) -> None:
 
 def _client(settings: Settings):
     from producer.client import TeacherClient
+    from shared.spans import install_sink
 
-    return TeacherClient(settings)
+    client = TeacherClient(settings)
+    # The CLI's own spans (submit) go to Redis too, so `teacherq trace` shows the whole tree.
+    install_sink(client.r, settings.queue.name, process="teacherq cli")
+    return client
 
 
 def _tty() -> bool:
@@ -249,7 +253,8 @@ from producer.cli_observe import register as _register_observe  # noqa: E402 - a
 _register_observe(app)
 
 
-register(app)
+cli_datasets.register(app)
+cli_observe.register(app)
 
 
 def main() -> None:

@@ -10,8 +10,9 @@ from typing import Any
 import redis
 import structlog
 
-from shared import keys
-from shared.errors import InvalidJob
+from producer.progress import WaitProgress, track_wait
+from shared import keys, weights
+from shared.errors import InvalidJob, QueueFull
 from shared.messages import (
     Limits,
     TeacherRequest,
@@ -27,6 +28,7 @@ from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Streams
 from shared.tracing import span
+from shared.weights import UpdateRequest
 
 log = structlog.get_logger("teacherq.client")
 
@@ -102,6 +104,7 @@ class TeacherClient:
         self.streams.ensure_group()
         ids = []
         for job_id, req in prepared:
+            self._wait_for_room(req.num_tokens)
             with span("submit", job_id=job_id, tokens=req.num_tokens) as s:
                 traced = req.model_copy(update={"trace": s.carrier})
                 fields = encode_job(traced, job_id=job_id)
@@ -109,6 +112,36 @@ class TeacherClient:
                 s.set(enqueued=entry is not None)
             ids.append(job_id)
         return ids
+
+    def _wait_for_room(self, tokens: int) -> None:
+        """Backpressure: block (or raise, by setting) while the queue holds more pending
+        tokens than queue.max_pending_tokens. Wakes on completions, never sleep-polls."""
+        q = self.settings.queue
+        pending = self.streams.pending_tokens()
+        if pending + tokens <= q.max_pending_tokens or pending == 0:
+            return  # a job larger than the bound alone still goes through on an empty queue
+        if q.backpressure == "raise":
+            raise QueueFull(
+                f"queue {self.queue} holds {pending} pending tokens; adding {tokens} would "
+                f"exceed queue.max_pending_tokens={q.max_pending_tokens}"
+            )
+        deadline = time.monotonic() + q.backpressure_timeout_s
+        last = self.r.xrevrange(self.streams.done, count=1)
+        cursor: bytes | str = last[0][0] if last else "0-0"
+        log.info("submit.backpressure", pending_tokens=pending, limit=q.max_pending_tokens)
+        while True:
+            pending = self.streams.pending_tokens()
+            if pending + tokens <= q.max_pending_tokens or pending == 0:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueFull(
+                    f"queue {self.queue} stayed above queue.max_pending_tokens="
+                    f"{q.max_pending_tokens} for {q.backpressure_timeout_s:.0f}s"
+                )
+            reply = self.r.xread({self.streams.done: cursor}, block=int(min(left, 1) * 1000))
+            for _stream, entries in reply or []:
+                cursor = entries[-1][0]
 
     def results(self, job_ids: Sequence[str]) -> list[TeacherResult | None]:
         """Results of finished jobs, None for jobs not finished yet (no waiting)."""
@@ -120,11 +153,19 @@ class TeacherClient:
             out.append(decode_record(fields, store=self.store) if fields else None)
         return out
 
-    def wait(self, job_ids: Sequence[str], *, timeout: float | None = None) -> list[TeacherResult]:
+    def wait(
+        self,
+        job_ids: Sequence[str],
+        *,
+        timeout: float | None = None,
+        progress: bool | WaitProgress | None = None,
+    ) -> list[TeacherResult]:
         """Block until every job has a result (success or failure) and return them in order.
 
         Blocks on the completion stream (XREAD BLOCK), never sleep-polls. Failed and cancelled
         jobs come back with `error` set. Raises TimeoutError if `timeout` seconds pass first.
+        `progress` shows a bar (jobs, tokens, rate, ETA) on stderr: None means when stderr is
+        a terminal; pass a `producer.progress.WaitProgress` to give totals or a console.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         # Note where the completion stream ends *before* reading results: a job finishing in
@@ -134,26 +175,28 @@ class TeacherClient:
         found: dict[str, TeacherResult] = {}
         pending = set(job_ids)
         check = list(pending)
-        while True:
-            for job_id, res in zip(check, self.results(check), strict=True):
-                if res is not None:
-                    found[job_id] = res
-                    pending.discard(job_id)
-            if not pending:
-                return [found[j] for j in job_ids]
-            block_ms = 1000
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{len(pending)} of {len(job_ids)} jobs not done")
-                block_ms = max(1, min(block_ms, int(left * 1000)))
-            reply = self.r.xread({self.streams.done: cursor}, block=block_ms, count=10_000)
-            announced = set()
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    cursor = entry_id
-                    announced.add(fields.get(b"job_id", b"").decode())
-            check = list(announced & pending)
+        with track_wait(job_ids, progress) as tracker:
+            while True:
+                for job_id, res in zip(check, self.results(check), strict=True):
+                    if res is not None:
+                        found[job_id] = res
+                        pending.discard(job_id)
+                        tracker.advance(job_id, res)
+                if not pending:
+                    return [found[j] for j in job_ids]
+                block_ms = 1000
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"{len(pending)} of {len(job_ids)} jobs not done")
+                    block_ms = max(1, min(block_ms, int(left * 1000)))
+                reply = self.r.xread({self.streams.done: cursor}, block=block_ms, count=10_000)
+                announced = set()
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        cursor = entry_id
+                        announced.add(fields.get(b"job_id", b"").decode())
+                check = list(announced & pending)
 
     def consumers(self) -> dict[str, dict[str, Any]]:
         """Heartbeat records of the consumers of this queue, by name."""
@@ -165,25 +208,11 @@ class TeacherClient:
         return any(c.get("state") in ("ready", "busy") for c in self.consumers().values())
 
     def status(self) -> dict[str, Any]:
-        """A snapshot of the queue: depth, lag, pending, dead letters, consumers."""
-        self.streams.ensure_group()
-        groups = {g["name"].decode(): g for g in self.r.xinfo_groups(self.streams.jobs)}
-        g = groups.get(self.streams.group, {})
-        now = time.time()
-        consumers = {
-            name: {**rec, "heartbeat_age_s": round(now - rec.get("time", now), 3)}
-            for name, rec in self.consumers().items()
-        }
-        return {
-            "queue": self.queue,
-            "jobs_in_stream": self.r.xlen(self.streams.jobs),
-            "lag": g.get("lag"),
-            "pending": g.get("pending", 0),
-            "dead_letters": self.r.xlen(self.streams.dead),
-            "results_announced": self.r.xlen(self.streams.done),
-            "pending_tokens": self.streams.pending_tokens(),
-            "consumers": consumers,
-        }
+        """A snapshot of the queue: backlog, work in flight, dead letters, consumers and
+        throughput (see `producer.status.snapshot` for each figure)."""
+        from producer.status import snapshot
+
+        return snapshot(self.r, self.queue, self.streams.group)
 
     def cancel(self, job_id: str) -> None:
         """Cancel a job: it is not computed if not started yet, and a result it already has
@@ -206,6 +235,18 @@ class TeacherClient:
             client=pipe,
         )
         pipe.execute()
+
+    def update_weights(
+        self, path: str, *, wait: bool = True, timeout: float = 1800.0
+    ) -> UpdateRequest:
+        """Make every replica of this queue drain and reload from `path` (a Hugging Face or
+        Megatron checkpoint directory they can read). A concurrent request for the same path
+        joins the running update; one for another path raises UpdateInProgress. With `wait`,
+        blocks until every live replica serves the new generation."""
+        req = weights.request_update(self.r, self.queue, path)
+        if wait:
+            weights.wait_done(self.r, self.queue, req.generation, timeout_s=timeout)
+        return req
 
     def close(self) -> None:
         """Close the Redis connection pool."""

@@ -105,7 +105,11 @@ class _SinkState:
 
 
 _state = _SinkState()
-_HOST = socket.gethostname()
+
+
+@functools.cache
+def _host() -> str:
+    return socket.gethostname()
 
 
 def configure_sink(
@@ -159,11 +163,12 @@ def _make_record(
         "span_id": span_id,
         "parent_span_id": parent_span_id,
         "name": name,
-        "start_time": round(start_time, 6),
-        "duration_ms": duration_ms,
+        "start_time": start_time,
+        # Records keep ns: children must stay inside parents after a round trip (logs keep µs).
+        "duration_ms": round(duration_ms, 6),
         "attrs": attrs,
         "pid": os.getpid(),
-        "host": _HOST,
+        "host": _host(),
     }
     rank = structlog.contextvars.get_contextvars().get("rank", _state.rank)
     if rank is not None:
@@ -224,14 +229,14 @@ def _finished(
     if end_time < start_time:
         raise ValueError(f"span {name!r} ends before it starts ({end_time} < {start_time})")
     ref = SpanRef(name, trace_id, new_id(), start_time, end_time)
-    duration = round((end_time - start_time) * 1000, 3)
+    duration = (end_time - start_time) * 1000
     getattr(_log, level)(
         f"{name}.span",
         trace_id=trace_id,
         span_id=ref.span_id,
         parent_span_id=parent,
         start_time=start_time,
-        duration_ms=duration,
+        duration_ms=round(duration, 3),
         **attrs,
     )
     _emit(
@@ -376,14 +381,14 @@ class _SpanScope:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
         s, tokens, previous = self._open.pop()
-        duration = round((time.perf_counter() - s._start) * 1000, 3)
+        duration = (time.perf_counter() - s._start) * 1000
         error = None
         if exc is not None:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         extra = {"error": error} if error else {}
         level = "warning" if error else "info"
         # One dict: attrs set late through Span.set() must not collide with our own fields.
-        fields = {**s.attrs, "start_time": s.start_wall, "duration_ms": duration, **extra}
+        fields = {**s.attrs, "start_time": s.start_wall, "duration_ms": round(duration, 3), **extra}
         getattr(_log, level)(f"{s.name}.end", **fields)
         _emit(
             _make_record(

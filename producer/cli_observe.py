@@ -1,0 +1,179 @@
+"""`teacherq trace` and `teacherq status`: look at recorded traces and at a queue's state.
+
+`register(app)` adds both commands to the `teacherq` Typer app (called from producer/cli.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from shared.settings import Settings, SettingsError, load_settings
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+EXIT_NOT_FOUND = 3  # like `teacherq results` for unfinished jobs
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(text: str, *, now: float | None = None) -> float:
+    """Unix seconds from `1733000000.5`, an ISO 8601 time (local time unless it has an
+    offset), or an age such as `90s`, `10m`, `2h`, `1d` (that long before now)."""
+    now = time.time() if now is None else now
+    text = text.strip()
+    m = _AGE.match(text)
+    if m:
+        return now - float(m.group(1)) * _AGE_UNITS[m.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is not unix seconds, an ISO time or an age like 10m"
+        ) from None
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _redis(settings: Settings):
+    from shared.redis_server import connect
+
+    return connect(settings.redis)
+
+
+def trace(
+    job_id: Annotated[str | None, typer.Argument(help="The job whose trace to show.")] = None,
+    fmt: str = typer.Option("tree", "--format", help="tree | chrome | json"),
+    output: Path = typer.Option(None, "-o", "--output", help="Write to FILE, not stdout."),
+    html_file: Path = typer.Option(None, "--html", help="Write a self-contained HTML timeline."),
+    batch: str = typer.Option(None, "--batch", help="A batch and every job that rode in it."),
+    since: str = typer.Option(None, help="Jobs first seen from: unix s, ISO time or age (10m)."),
+    until: str = typer.Option(None, help="With --since: up to this time (default: now)."),
+    limit: int = typer.Option(500, help="With --since: at most this many jobs."),
+) -> None:
+    """Show the recorded spans of a job (or a batch, or a time window): a tree, Chrome /
+    Perfetto trace-event JSON (`--format chrome -o trace.json`), or an HTML timeline."""
+    from producer.trace_export import (
+        load_batch,
+        load_job,
+        load_window,
+        render_rich,
+        render_text,
+        to_chrome,
+        to_html,
+    )
+    from shared.spans import TraceStore
+
+    chosen = [x for x in (job_id, batch, since) if x is not None]
+    if len(chosen) != 1:
+        err.print("[red]give exactly one of JOB_ID, --batch ID or --since TIME[/red]")
+        raise typer.Exit(2)
+    if fmt not in ("tree", "chrome", "json"):
+        err.print(f"[red]unknown --format {fmt!r}; expected tree, chrome or json[/red]")
+        raise typer.Exit(2)
+    settings = _settings()
+    store = TraceStore(_redis(settings), settings.queue.name)
+    if job_id is not None:
+        view = load_job(store, job_id)
+    elif batch is not None:
+        view = load_batch(store, batch)
+    else:
+        now = time.time()
+        lo = parse_time(since, now=now)
+        hi = parse_time(until, now=now) if until else now
+        view = load_window(store, lo, hi, limit=limit)
+    if view.empty:
+        err.print(f"[yellow]no spans recorded for {view.title}[/yellow]")
+        raise typer.Exit(EXIT_NOT_FOUND)
+    if html_file is not None:
+        html_file.write_text(to_html(view), encoding="utf-8")
+        err.print(f"wrote {html_file}")
+    if fmt == "chrome":
+        text = json.dumps(to_chrome(view))
+    elif fmt == "json":
+        text = json.dumps(
+            {
+                "title": view.title,
+                "jobs": [{"job_id": j.job_id, "spans": j.spans} for j in view.jobs],
+                "batches": view.batches,
+            }
+        )
+    elif output is None and html_file is not None:
+        return  # the page was the point; no tree unless asked with -o
+    elif output is None and sys.stdout.isatty():
+        out.print(render_rich(view))
+        return
+    else:
+        text = render_text(view)
+    if output is not None:
+        output.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        err.print(f"wrote {output}")
+    else:
+        typer.echo(text.rstrip("\n"))
+
+
+def status(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object (per refresh)."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
+    interval: float = typer.Option(2.0, help="With --watch: seconds between refreshes."),
+    window: float = typer.Option(60.0, help="Seconds of history for jobs/s and tokens/s."),
+) -> None:
+    """Queue backlog and tokens, work in flight per consumer, dead letters, consumers and
+    throughput: tables on a terminal, one JSON object otherwise (or with --json)."""
+    from producer.status import render, snapshot
+
+    settings = _settings()
+    r = _redis(settings)
+    q = settings.queue
+
+    def snap() -> dict:
+        return snapshot(r, q.name, q.group, window_s=window)
+
+    use_json = as_json or not sys.stdout.isatty()
+    interval = max(0.1, interval)
+    if not watch:
+        if use_json:
+            typer.echo(json.dumps(snap()))
+        else:
+            out.print(render(snap()))
+        return
+    try:
+        if use_json:
+            while True:
+                typer.echo(json.dumps(snap()))
+                sys.stdout.flush()
+                time.sleep(interval)
+        from rich.live import Live
+
+        with Live(render(snap()), console=out, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render(snap()), refresh=True)
+    except KeyboardInterrupt:
+        return
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `trace` and `status` commands to the teacherq app."""
+    app.command("trace")(trace)
+    app.command("status")(status)

@@ -1,0 +1,211 @@
+"""A snapshot of one queue for `teacherq status`: backlog, work in flight, dead letters,
+consumers and recent throughput, read from Redis without changing anything.
+
+Figures and where they come from:
+
+- `queued`: entries not yet delivered to any consumer (the group's lag); `in_flight`:
+  delivered, not acknowledged (XPENDING); `pending_jobs` = both; `pending_tokens`: the
+  counter the submit script increments and acknowledgement decrements;
+- `in_flight_by_consumer`: per group member, its pending count, how long since it last read
+  (XINFO CONSUMERS idle) and the oldest of its entries (XPENDING ... IDLE per entry);
+- `consumers`: the heartbeat records (`keys.consumers_key`), with their age and `alive`;
+- `throughput`: completions in the last `window_s` seconds from the done stream's entry ids
+  (their millisecond timestamps), tokens from the throughput stream the consumers append one
+  entry per batch to (`shared.spans.throughput_stream`); windows use the server's clock.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+from rich.console import Group
+from rich.table import Table
+
+from shared import keys
+from shared.spans import throughput_stream
+
+SAMPLE_ENTRIES = 10  # in-flight entries listed per consumer
+
+
+def _s(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _group_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any] | None:
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream yet: nothing was ever submitted
+        return None
+    return next((g for g in groups if _s(g["name"]) == group), None)
+
+
+def _in_flight(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in r.xinfo_consumers(stream, group):
+        name = _s(c["name"])
+        info: dict[str, Any] = {
+            "entries": int(c["pending"]),
+            "idle_s": round(int(c["idle"]) / 1000, 3),
+            "inactive_s": round(int(c["inactive"]) / 1000, 3) if c.get("inactive", -1) >= 0
+            else None,
+            "oldest_idle_s": None,
+            "max_deliveries": None,
+            "sample": [],
+        }  # fmt: skip
+        if info["entries"]:
+            rows = r.xpending_range(
+                stream, group, min="-", max="+", count=SAMPLE_ENTRIES, consumername=name
+            )
+            info["sample"] = [
+                {
+                    "id": _s(row["message_id"]),
+                    "idle_s": round(int(row["time_since_delivered"]) / 1000, 3),
+                    "deliveries": int(row["times_delivered"]),
+                }
+                for row in rows
+            ]
+            if info["sample"]:
+                info["oldest_idle_s"] = max(e["idle_s"] for e in info["sample"])
+                info["max_deliveries"] = max(e["deliveries"] for e in info["sample"])
+        out[name] = info
+    return out
+
+
+def _window_entries(r: redis.Redis, stream: str, since_ms: int) -> list[dict[bytes, bytes]]:
+    out: list[dict[bytes, bytes]] = []
+    start = f"{since_ms}-0"
+    while True:
+        page: list[Any] = r.xrange(stream, min=start, max="+", count=10_000) or []
+        out += [fields for _, fields in page]
+        if len(page) < 10_000:
+            return out
+        start = "(" + _s(page[-1][0])
+
+
+def _throughput(r: redis.Redis, queue: str, now_ms: int, window_s: float) -> dict[str, Any]:
+    since_ms = now_ms - int(window_s * 1000)
+    done = _window_entries(r, keys.done_stream(queue), since_ms)
+    ok = sum(1 for f in done if f.get(b"status") == b"ok")
+    batches = _window_entries(r, throughput_stream(queue), since_ms)
+    tokens = sum(int(f.get(b"tokens", 0)) for f in batches)
+    return {
+        "window_s": window_s,
+        "jobs": len(done),
+        "jobs_ok": ok,
+        "jobs_failed": len(done) - ok,
+        "jobs_per_s": round(len(done) / window_s, 3),
+        "batches": len(batches),
+        # None, not 0, when no consumer reports batches: "unknown" is not "idle".
+        "tokens": tokens if batches or not done else None,
+        "tokens_per_s": round(tokens / window_s, 3) if batches or not done else None,
+    }
+
+
+def _consumers(
+    r: redis.Redis, queue: str, now: float, stale_after_s: float
+) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, raw in r.hgetall(keys.consumers_key(queue)).items():
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError:
+            rec = {"state": "unreadable"}
+        age = round(now - float(rec.get("time", 0)), 3) if rec.get("time") else None
+        alive = rec.get("state") not in ("stopped", "unreadable") and (
+            age is not None and age <= stale_after_s
+        )
+        out[_s(name)] = {**rec, "heartbeat_age_s": age, "alive": alive}
+    return out
+
+
+def snapshot(
+    r: redis.Redis,
+    queue: str,
+    group: str = "consumers",
+    *,
+    window_s: float = 60.0,
+    stale_after_s: float = 60.0,
+) -> dict[str, Any]:
+    """Every figure of `teacherq status` for one queue, as one JSON-able dict (see the module
+    doc). A consumer whose heartbeat is older than `stale_after_s` is reported not alive."""
+    sec, usec = r.time()
+    now = sec + usec / 1e6
+    now_ms = int(now * 1000)
+    stream = keys.jobs_stream(queue)
+    g = _group_info(r, stream, group)
+    lag = g.get("lag") if g else 0
+    pending = int(g["pending"]) if g else 0
+    return {
+        "queue": queue,
+        "group": group,
+        "time": round(now, 3),
+        "jobs_in_stream": r.xlen(stream),
+        "lag": lag,
+        "pending": pending,
+        "queued": lag,
+        "in_flight": pending,
+        # Redis cannot count the lag across deleted entries; then neither can we.
+        "pending_jobs": None if lag is None else lag + pending,
+        "pending_tokens": int(r.get(keys.pending_tokens_key(queue)) or 0),
+        "dead_letters": r.xlen(keys.dead_stream(queue)),
+        "results_announced": r.xlen(keys.done_stream(queue)),
+        "in_flight_by_consumer": _in_flight(r, stream, group) if g else {},
+        "consumers": _consumers(r, queue, now, stale_after_s),
+        "throughput": _throughput(r, queue, now_ms, window_s),
+    }
+
+
+def _num(v: Any, fmt: str = "{:,}") -> str:
+    return "?" if v is None else fmt.format(v)
+
+
+def _age(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f} s" if v < 120 else f"{v / 60:.1f} min"
+
+
+def render(snap: dict[str, Any]) -> Group:
+    """The snapshot as rich tables: queue figures, work in flight, consumers."""
+    t = snap["throughput"]
+    q = Table(title=f"queue {snap['queue']}", show_header=False, title_justify="left")
+    q.add_row("queued (not delivered)", _num(snap["queued"]))
+    q.add_row("in flight (not acked)", _num(snap["in_flight"]))
+    q.add_row("pending jobs", _num(snap["pending_jobs"]))
+    q.add_row("pending tokens", _num(snap["pending_tokens"]))
+    q.add_row(
+        "dead letters", _num(snap["dead_letters"]), style="red" if snap["dead_letters"] else ""
+    )
+    q.add_row(
+        f"done in last {t['window_s']:g} s", f"{t['jobs_ok']:,} ok, {t['jobs_failed']:,} failed"
+    )
+    q.add_row("jobs/s", _num(t["jobs_per_s"], "{:,.2f}"))
+    q.add_row("tokens/s", _num(t["tokens_per_s"], "{:,.0f}"))
+
+    f = Table(title="in flight", title_justify="left")
+    for col in ("consumer", "entries", "last read", "oldest entry idle", "max deliveries"):
+        f.add_column(col)
+    for name, c in snap["in_flight_by_consumer"].items():
+        f.add_row(
+            name, str(c["entries"]), _age(c["idle_s"]), _age(c["oldest_idle_s"]),
+            _num(c["max_deliveries"]) if c["entries"] else "-",
+        )  # fmt: skip
+
+    cs = Table(title="consumers", title_justify="left")
+    for col in ("consumer", "state", "model", "layout", "heartbeat", "jobs done", "tokens"):
+        cs.add_column(col)
+    for name, c in snap["consumers"].items():
+        state = c.get("state", "?") if c["alive"] else f"{c.get('state', '?')} (stale)"
+        cs.add_row(
+            name,
+            state,
+            str(c.get("model_version", "-")),
+            str(c.get("layout", "-")),
+            _age(c["heartbeat_age_s"]) + " ago",
+            _num(c.get("jobs_done")),
+            _num(c.get("tokens")),
+            style="" if c["alive"] else "dim",
+        )
+    return Group(q, f, cs)
