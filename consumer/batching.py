@@ -5,6 +5,8 @@ padding at all: waste is zero by construction, and a job longer than the budget 
 `BatchTensors` is what every rank of a tensor-parallel group computes on; the leader builds it
 from decoded jobs and broadcasts it to its peers as plain tensors (no pickling), after a
 four-integer header that also carries the group's other commands (stop, reload, sleep, wake).
+Jobs that share a prompt (see `consumer/prefix.py`) are marked per job in `group_J` and
+`prefix_len_J`; the jobs' own tokens still travel whole, and each rank packs the prompt once.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class BatchTensors:
     entropy_J: torch.Tensor  # int64 [J] (0/1)
     seed_J: torch.Tensor  # int64 [J]
     temperature_J: torch.Tensor  # float64 [J]
+    group_J: torch.Tensor  # int64 [J], jobs sharing a prompt share an id >= 0; -1 alone
+    prefix_len_J: torch.Tensor  # int64 [J], tokens of the shared prompt (0 alone)
 
     @property
     def num_jobs(self) -> int:
@@ -67,10 +71,27 @@ class BatchTensors:
         """T."""
         return int(self.input_ids_T.shape[0])
 
+    @property
+    def prefix_tokens_saved(self) -> int:
+        """Forward tokens this batch does not compute because shared prompts run once."""
+        saved = 0
+        for g in torch.unique(self.group_J[self.group_J >= 0]).tolist():
+            members = self.prefix_len_J[self.group_J == g]
+            saved += int(members.sum() - members[0])
+        return saved
+
 
 def batch_from_jobs(jobs: Sequence[Job]) -> BatchTensors:
-    """Tensors for a micro-batch of decoded jobs."""
+    """Tensors for a micro-batch of decoded jobs.
+
+    A `consumer.prefix.MicroBatch` also says which jobs share a prompt; any other sequence of
+    jobs is scored with every job as its own document.
+    """
     reqs = [j.request for j in jobs]
+    group, prefix = [-1] * len(reqs), [0] * len(reqs)
+    for g, shared in enumerate(getattr(jobs, "groups", ())):
+        for m in shared.members:
+            group[m], prefix[m] = g, shared.prefix_len
     w_max = max((r.label_width for r in reqs), default=0)
     rows = sum(r.num_tokens - 1 for r in reqs)
     labels = np.zeros((rows, w_max), dtype=np.int64)
@@ -94,6 +115,8 @@ def batch_from_jobs(jobs: Sequence[Job]) -> BatchTensors:
         entropy_J=ints([int(r.return_entropy) for r in reqs]),
         seed_J=ints([r.seed for r in reqs]),
         temperature_J=torch.tensor([r.temperature for r in reqs], dtype=torch.float64),
+        group_J=ints(group),
+        prefix_len_J=ints(prefix),
     )
 
 
@@ -159,6 +182,8 @@ def receive_batch(
         entropy_J=torch.empty(j, dtype=torch.int64),
         seed_J=torch.empty(j, dtype=torch.int64),
         temperature_J=torch.empty(j, dtype=torch.float64),
+        group_J=torch.empty(j, dtype=torch.int64),
+        prefix_len_J=torch.empty(j, dtype=torch.int64),
     )
     return _batch_tensors(batch, src=src, group=group)
 

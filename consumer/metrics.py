@@ -87,6 +87,10 @@ class ConsumerMetrics:
         self._duplicates = counter(
             "teacherq_duplicates_skipped", "Entries acknowledged without computing (had a result)."
         ).labels(*lv)
+        self._prefix_saved = counter(
+            "teacherq_prefix_tokens_saved",
+            "Tokens not computed because jobs shared a prompt (each shared prompt runs once).",
+        ).labels(*lv)
         self._batch_latency = Histogram(
             "teacherq_batch_latency_seconds",
             "Wall time of one micro-batch on the device (broadcast, forward, head).",
@@ -221,6 +225,10 @@ class ConsumerMetrics:
     def duplicate_skipped(self) -> None:
         """An entry acknowledged without computing: its job already had a result."""
         self._duplicates.inc()
+
+    def prefix_tokens_saved(self, tokens: int) -> None:
+        """Tokens a batch did not compute thanks to shared-prefix packing."""
+        self._prefix_saved.inc(tokens)
 
     def update_device_memory(self) -> None:
         """Sample accelerator memory (torch.cuda; nothing on a CPU-only host). Call it after

@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from consumer.attention import SdpaCoreAttention
+from consumer.attention import SdpaCoreAttention, TreeBounds
 from consumer.parallel import ParallelLayout
 
 VOCAB_PAD_MULTIPLE = 128  # per TP rank, as Megatron's --make-vocab-size-divisible-by
@@ -72,6 +72,19 @@ class TeacherGPTModel(GPTModel):
 
     def _postprocess(self, hidden_states, *args, **kwargs):  # megatron hook, see module doc
         return hidden_states
+
+    def _preprocess(self, *args, **kwargs):  # megatron hook: embeddings and the rotary table
+        out = super()._preprocess(*args, **kwargs)
+        params = kwargs.get("packed_seq_params")
+        if isinstance(params, TreeBounds) and out[1] is not None:
+            # Megatron rotates row t of a thd segment by the angles of index t within it; a
+            # response continuing a shared prompt needs its real positions instead. Its own
+            # rotary module (scaling included) computes the table; gathered at the explicit
+            # position ids it holds one row per packed token, which megatron applies row by
+            # row because TreeBounds' cu_seqlens make the pack a single sequence.
+            table = self.rotary_pos_emb(params.max_seqlen_q)  # [max_pos + 1, 1, 1, dim]
+            out = (out[0], table[kwargs["position_ids"].reshape(-1)], *out[2:])
+        return out
 
     def output_weight_shard(self) -> torch.Tensor:
         """This rank's rows of the output projection, [padded_vocab / tp, hidden]."""

@@ -4,6 +4,10 @@ One forward serves every output any job of the batch asked for: the head runs on
 batch's largest top-k and sample count and its widest label set, and each job keeps its own
 slice (a top-k prefix is the smaller top-k; sample j is keyed by j, so a prefix of the samples
 is exactly what a smaller sample_n would draw).
+
+Jobs that share a prompt (`consumer/prefix.py`) share its forward rows, and its head rows too
+where their seed and temperature agree (see `_head_rows`); each job still gets exactly the
+rows it would get scored alone.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import numpy as np
 import torch
 
 from consumer import tp_ops
-from consumer.attention import DocumentBounds
+from consumer.attention import DocumentBounds, TreeBounds
 from consumer.batching import BatchTensors
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
+from consumer.prefix import PackedTree, pack_tree
+from shared.tracing import PhaseClock
 
 
 @dataclass(frozen=True)
@@ -61,57 +67,82 @@ class Scorer:
         for name, ids in (("input_ids", batch.input_ids_T), ("labels", batch.labels_RW)):
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
                 raise ValueError(f"{name} hold ids outside the vocabulary [0, {v})")
+        self.layout_of(batch)  # shared prompts that are not shared raise here
 
     @torch.inference_mode()
     def hidden_states(self, batch: BatchTensors) -> torch.Tensor:
-        """Final hidden states [T, H] of the packed batch (documents attend only to
-        themselves, positions restart at 0 in each)."""
-        lengths = batch.lengths_J.tolist()
-        ids = _to_device(batch.input_ids_T, self.device)
-        pos = _to_device(torch.cat([torch.arange(n) for n in lengths]), self.device)
-        packed = DocumentBounds.from_lengths(lengths, self.device) if len(lengths) > 1 else None
-        hidden = self.model(ids[None], pos[None], attention_mask=None, packed_seq_params=packed)
+        """Final hidden states [T, H] of every job token (documents attend only to
+        themselves, positions restart at 0 in each; a shared prompt's rows are computed once
+        and repeated for each job that shares it)."""
+        tree = self.layout_of(batch)
+        hidden_PH = self.packed_hidden_states(tree)
+        if not tree.shared:
+            return hidden_PH
+        return hidden_PH[tree.row_of_T.to(hidden_PH.device)]
+
+    def layout_of(self, batch: BatchTensors) -> PackedTree:
+        """The packed layout of a batch (raises ValueError if its prompt sharing is
+        inconsistent)."""
+        return pack_tree(batch.input_ids_T, batch.lengths_J, batch.group_J, batch.prefix_len_J)
+
+    @torch.inference_mode()
+    def packed_hidden_states(
+        self, tree: PackedTree, clock: PhaseClock | None = None
+    ) -> torch.Tensor:
+        """Final hidden states [P, H] of the packed tokens (each shared prompt once)."""
+        clock = clock or PhaseClock()
+        with clock.phase("h2d"):
+            ids = _to_device(tree.input_ids_P, self.device)
+            pos = _to_device(tree.position_P, self.device)
+            if tree.shared:
+                packed = TreeBounds.from_segments(
+                    tree.segments, max_position=max(tree.lengths) - 1, device=self.device
+                )
+            elif len(tree.lengths) > 1:
+                packed = DocumentBounds.from_lengths(list(tree.lengths), self.device)
+            else:
+                packed = None
+        with clock.phase("forward"):
+            hidden = self.model(ids[None], pos[None], attention_mask=None, packed_seq_params=packed)
         return hidden.reshape(ids.shape[0], -1)
 
     @torch.inference_mode()
-    def score(self, batch: BatchTensors) -> list[dict[str, np.ndarray]]:
-        """Every requested output for every job of the batch, as numpy arrays per job."""
-        hidden_TH = self.hidden_states(batch)
-        lengths = batch.lengths_J.tolist()
-        # Scored rows: every position but each job's last; row r predicts token r + 1.
-        keep = torch.ones(batch.num_tokens, dtype=torch.bool)
-        ends = torch.tensor(lengths).cumsum(0) - 1
-        keep[ends] = False
-        next_ids_R = torch.roll(batch.input_ids_T, -1)[keep]
-        targets_RW = torch.cat([next_ids_R[:, None], batch.labels_RW], dim=1)
+    def score(
+        self, batch: BatchTensors, clock: PhaseClock | None = None
+    ) -> list[dict[str, np.ndarray]]:
+        """Every requested output for every job of the batch, as numpy arrays per job.
 
-        job_of_R = torch.repeat_interleave(torch.arange(batch.num_jobs), batch.lengths_J - 1)
-        position_R = torch.cat([torch.arange(1, n) for n in lengths])
-        hidden_RH = hidden_TH[keep.to(hidden_TH.device)]
-        results: list[dict[str, np.ndarray]] = [{} for _ in range(batch.num_jobs)]
+        `clock` times the phases h2d, forward, head and d2h (for the batch's trace)."""
+        clock = clock or PhaseClock()
+        tree = self.layout_of(batch)
+        hidden_PH = self.packed_hidden_states(tree, clock)
+        rows = _JobRows.of(batch, tree)
+        passes = []
         # Jobs that want the same kinds of output share one head pass, so a job asking only for
         # log-probs never pays for another job's samples. Every rank forms the same groups.
-        for jobs in _output_groups(batch):
-            rows = torch.isin(job_of_R, torch.tensor(jobs))
-            width = 1 + int(batch.label_width_J[jobs].max())
-            out = tp_ops.chunked_head(
-                hidden_TH=hidden_RH[rows.to(hidden_RH.device)],
-                weight_VH=self.model.output_weight_shard(),
-                shard=self.shard,
-                tp_group=self.layout.tp_group,
-                target_ids_TW=targets_RW[rows, :width].to(self.device),
-                inv_temperature_T=(1.0 / batch.temperature_J)[job_of_R[rows]]
-                .float()
-                .to(self.device),
-                top_k=int(batch.top_k_J[jobs].max()),
-                sample_n=int(batch.sample_n_J[jobs].max()),
-                seed_T=batch.seed_J[job_of_R[rows]].to(self.device),
-                position_T=position_R[rows].to(self.device),
-                want_entropy=bool(batch.entropy_J[jobs].any()),
-                chunk_rows=self.chunk_rows,
-            )
-            for j, arrays in zip(jobs, _split_per_job(out, batch, jobs), strict=True):
-                results[j] = arrays
+        with clock.phase("head"):
+            for jobs in _output_groups(batch):
+                plan = _head_rows(batch, rows, jobs)
+                out = tp_ops.chunked_head(
+                    hidden_TH=hidden_PH[plan.packed_row_U.to(hidden_PH.device)],
+                    weight_VH=self.model.output_weight_shard(),
+                    shard=self.shard,
+                    tp_group=self.layout.tp_group,
+                    target_ids_TW=plan.targets_UW.to(self.device),
+                    inv_temperature_T=plan.inv_temperature_U.to(self.device),
+                    top_k=int(batch.top_k_J[jobs].max()),
+                    sample_n=int(batch.sample_n_J[jobs].max()),
+                    seed_T=plan.seed_U.to(self.device),
+                    position_T=plan.position_U.to(self.device),
+                    want_entropy=bool(batch.entropy_J[jobs].any()),
+                    chunk_rows=self.chunk_rows,
+                )
+                passes.append((jobs, plan, out))
+        results: list[dict[str, np.ndarray]] = [{} for _ in range(batch.num_jobs)]
+        with clock.phase("d2h"):
+            for jobs, plan, out in passes:
+                for j, arrays in zip(jobs, _split_per_job(out, batch, jobs, plan), strict=True):
+                    results[j] = arrays
         return results
 
 
@@ -130,10 +161,96 @@ def _output_groups(batch: BatchTensors) -> list[list[int]]:
     return list(groups.values())
 
 
+@dataclass(frozen=True)
+class _JobRows:
+    """Every scored row of a batch (every job position but its last; row r of a job predicts
+    its token r + 1), jobs back to back: R = T - J rows, host arrays."""
+
+    starts: np.ndarray  # int64 [J + 1], first row of each job
+    packed_row_R: np.ndarray  # int64 [R], packed forward row holding the row's hidden state
+    position_R: np.ndarray  # int64 [R], position of the predicted token (the sampling key)
+    targets_RW: np.ndarray  # int64 [R, 1 + Wmax], the next token, then the job's labels
+
+    @classmethod
+    def of(cls, batch: BatchTensors, tree: PackedTree) -> _JobRows:
+        """The rows of a batch packed as `tree`."""
+        lengths = np.asarray(tree.lengths, dtype=np.int64)
+        keep = np.ones(batch.num_tokens, dtype=bool)
+        keep[np.cumsum(lengths) - 1] = False
+        next_ids_R = np.roll(batch.input_ids_T.numpy(), -1)[keep]
+        return cls(
+            starts=np.concatenate([[0], np.cumsum(lengths - 1)]),
+            packed_row_R=tree.row_of_T.numpy()[keep],
+            position_R=np.concatenate([np.arange(1, n) for n in lengths]),
+            targets_RW=np.concatenate([next_ids_R[:, None], batch.labels_RW.numpy()], axis=1),
+        )
+
+
+@dataclass(frozen=True)
+class _HeadPlan:
+    """The U rows one head pass computes, and where each job's rows are among them."""
+
+    packed_row_U: torch.Tensor  # int64 [U]
+    position_U: torch.Tensor  # int64 [U]
+    seed_U: torch.Tensor  # int64 [U]
+    inv_temperature_U: torch.Tensor  # float32 [U]
+    targets_UW: torch.Tensor  # int64 [U, W], side by side for the jobs sharing a row
+    head_row: dict[int, np.ndarray]  # job -> [L_j - 1] its rows' head rows
+    column: dict[int, np.ndarray]  # job -> [L_j - 1] where its targets start in targets_UW
+
+
+def _head_rows(batch: BatchTensors, rows: _JobRows, jobs: list[int]) -> _HeadPlan:
+    """One head row per (packed row, seed, temperature) among the rows of `jobs`.
+
+    Jobs sharing a prompt with equal seed and temperature get identical logits, top-k,
+    entropy and samples on its rows (samples are keyed by seed, position, sample index and
+    vocab id), so those rows are computed once. Only the target ids differ: each job's labels,
+    and the prompt's last row, which predicts each job's own first response token. A shared
+    row therefore carries every sharing job's targets side by side. Jobs whose seed or
+    temperature differ get their own head rows over the same hidden states. Without sharing
+    this is every job's rows in order, targets at column 0.
+    """
+    seeds, temps = batch.seed_J.tolist(), batch.temperature_J.tolist()
+    num_packed = int(rows.packed_row_R.max()) + 1 if rows.packed_row_R.size else 0
+    tables: dict[tuple[int, float], np.ndarray] = {}  # (seed, temp) -> packed row -> head row
+    used = np.zeros(sum(int(rows.starts[j + 1] - rows.starts[j]) for j in jobs), np.int64)
+    head_row, column, first_use = {}, {}, []
+    count = 0
+    for j in jobs:
+        r0, r1 = int(rows.starts[j]), int(rows.starts[j + 1])
+        packed = rows.packed_row_R[r0:r1]
+        table = tables.setdefault((seeds[j], temps[j]), np.full(num_packed, -1, np.int64))
+        heads = table[packed]
+        new = heads < 0
+        heads[new] = np.arange(count, count + int(new.sum()))
+        table[packed[new]] = heads[new]
+        count += int(new.sum())
+        first_use.append(np.flatnonzero(new) + r0)
+        head_row[j], column[j] = heads, used[heads]
+        used[heads] += 1 + int(batch.label_width_J[j])
+    rep_U = np.concatenate(first_use)  # the row of the job that introduced each head row
+    job_U = np.searchsorted(rows.starts, rep_U, side="right") - 1
+    targets_UW = np.zeros((count, int(used[:count].max())), np.int64)
+    for j in jobs:
+        r0, r1 = int(rows.starts[j]), int(rows.starts[j + 1])
+        w = 1 + int(batch.label_width_J[j])
+        cols = column[j][:, None] + np.arange(w)
+        targets_UW[head_row[j][:, None], cols] = rows.targets_RW[r0:r1, :w]
+    return _HeadPlan(
+        packed_row_U=torch.from_numpy(rows.packed_row_R[rep_U]),
+        position_U=torch.from_numpy(rows.position_R[rep_U]),
+        seed_U=batch.seed_J[torch.from_numpy(job_U)],
+        inv_temperature_U=(1.0 / batch.temperature_J)[torch.from_numpy(job_U)].float(),
+        targets_UW=torch.from_numpy(targets_UW),
+        head_row=head_row,
+        column=column,
+    )
+
+
 def _split_per_job(
-    out: tp_ops.HeadOutputs, batch: BatchTensors, jobs: list[int]
+    out: tp_ops.HeadOutputs, batch: BatchTensors, jobs: list[int], plan: _HeadPlan
 ) -> list[dict[str, np.ndarray]]:
-    """Each job's slice of a head pass over the rows of `jobs` (in order)."""
+    """Each job's rows of a head pass over the rows of `jobs`."""
 
     def host(t: torch.Tensor | None) -> np.ndarray | None:
         return None if t is None else t.detach().cpu().numpy()
@@ -144,17 +261,15 @@ def _split_per_job(
     samp_ids, samp_lp = host(out.sample_ids_TN), host(out.sample_logprobs_TN)
     entropy = host(out.entropy_T)
     results = []
-    start = 0
     for j in jobs:
-        rows = slice(start, start + int(batch.lengths_J[j]) - 1)
-        start = rows.stop
+        rows, col = plan.head_row[j], plan.column[j]  # fancy indexing below copies
         w, k, n = (int(batch.label_width_J[j]), int(batch.top_k_J[j]), int(batch.sample_n_J[j]))
-        job: dict[str, np.ndarray] = {"logprobs": targets[rows, 0].copy()}
+        job: dict[str, np.ndarray] = {"logprobs": targets[rows, col]}
         if w:
-            job["label_logprobs"] = targets[rows, 1 : 1 + w].copy()
+            job["label_logprobs"] = targets[rows[:, None], col[:, None] + 1 + np.arange(w)]
         if k:
-            job["topk_token_ids"] = topk_ids[rows, :k].copy()
-            job["topk_logprobs"] = topk_lp[rows, :k].copy()
+            job["topk_token_ids"] = topk_ids[rows, :k]
+            job["topk_logprobs"] = topk_lp[rows, :k]
             # The batch may have run a larger K: this job's rest mass also holds ranks k..K.
             extra = topk_lp[rows, k:].astype(np.float64)
             rest_k = np.logaddexp.reduce(
@@ -162,9 +277,9 @@ def _split_per_job(
             )
             job["topk_rest_logprob"] = rest_k.astype(np.float32)
         if n:
-            job["sampled_token_ids"] = samp_ids[rows, :n].copy()
-            job["sampled_logprobs"] = samp_lp[rows, :n].copy()
+            job["sampled_token_ids"] = samp_ids[rows, :n]
+            job["sampled_logprobs"] = samp_lp[rows, :n]
         if int(batch.entropy_J[j]):
-            job["entropy"] = entropy[rows].copy()
+            job["entropy"] = entropy[rows]
         results.append(job)
     return results

@@ -136,7 +136,13 @@ def run(settings: Settings) -> int:
             generation=served.generation,
             control_cursor=control_cursor,
         )
-        leader.run()
+        from shared.spans import install_sink
+
+        sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")
+        try:
+            leader.run()
+        finally:
+            sink.close()
         return 0
     finally:
         shutdown()

@@ -43,12 +43,13 @@ from consumer.batching import (
     broadcast_batch,
     broadcast_header,
     broadcast_text,
-    plan_microbatches,
     receive_batch,
 )
 from consumer.claims import Claimer, Entry
 from consumer.faults import FaultInjector
 from consumer.heartbeat import Heartbeat
+from consumer.metrics import ConsumerMetrics
+from consumer.prefix import plan_shared_microbatches
 from consumer.preflight import check_redis
 from consumer.scoring import Scorer
 from consumer.writer import ResultWriter, WriteTask
@@ -56,11 +57,14 @@ from shared import keys, weights
 from shared.errors import InvalidJob
 from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
 from shared.settings import Settings
+from shared.spans import THROUGHPUT_MAXLEN, throughput_stream
 from shared.storage import ObjectStore
 from shared.streams import Streams
-from shared.tracing import new_id, span
+from shared.tracing import PhaseClock, Span, attach_phases, new_id, now, record, span
 
 log = structlog.get_logger("teacherq.consumer")
+
+PHASES = ("check", "h2d", "forward", "head", "d2h")  # timed on every rank of a group
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Counters:
     batches: int = 0
     busy_s: float = 0.0  # time the group spent scoring
     idle_s: float = 0.0  # time with work available but the group not scoring (see run)
+    prefix_tokens_saved: int = 0  # tokens not computed thanks to shared prompts
 
     @property
     def idle_fraction(self) -> float:
@@ -119,7 +124,9 @@ def _agree(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> b
     return bool(flag.item())
 
 
-def score_agreed(scorer: Scorer, batch: BatchTensors, faults: FaultInjector) -> list[dict]:
+def score_agreed(
+    scorer: Scorer, batch: BatchTensors, faults: FaultInjector
+) -> tuple[list[dict], list[list[float]]]:
     """Score a batch on every rank of the group, agreeing on failure.
 
     Each rank checks the batch first (and fault injection fires here); the group computes only
@@ -127,24 +134,41 @@ def score_agreed(scorer: Scorer, batch: BatchTensors, faults: FaultInjector) -> 
     raised as GroupFailure on all ranks alike, so no rank is left waiting in a collective for a
     peer that gave up. (A rank that dies inside the model's own collectives is caught by the
     process group's timeout instead.)
+
+    Also returns every rank's phase offsets (`PhaseClock.offsets(PHASES)`), by TP rank.
     """
     group, device = scorer.layout.tp_group, scorer.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    clock = PhaseClock(sync=sync)  # starts as the broadcast returns, on every rank
     error: BaseException | None = None
     try:
-        faults.check_batch(batch.input_ids_T)
-        scorer.check(batch)
+        with clock.phase("check"):
+            faults.check_batch(batch.input_ids_T)
+            scorer.check(batch)
     except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
         error = exc
     if not _agree(error is None, group, device):
         raise GroupFailure(_describe(error, "a peer rank failed checking the batch")) from error
     outputs: list[dict] = []
     try:
-        outputs = scorer.score(batch)
+        outputs = scorer.score(batch, clock)
     except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
         error = exc
     if not _agree(error is None, group, device):
         raise GroupFailure(_describe(error, "a peer rank failed scoring the batch")) from error
-    return outputs
+    return outputs, _gather_phases(clock, group, device)
+
+
+def _gather_phases(
+    clock: PhaseClock, group: dist.ProcessGroup | None, device: torch.device
+) -> list[list[float]]:
+    """Every rank's phase offsets, by TP rank (one all-gather of 10 numbers per rank)."""
+    mine = torch.tensor(clock.offsets(PHASES), dtype=torch.float64, device=device)
+    if group is None:
+        return [mine.tolist()]
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [t.tolist() for t in out]
 
 
 def _describe(error: BaseException | None, fallback: str) -> str:
@@ -218,6 +242,15 @@ class Leader:
         )
         self._counter_lock = threading.Lock()
         self._next_janitor = 0.0
+        self.metrics = ConsumerMetrics(
+            queue=self.queue,
+            consumer=self.name,
+            health_max_age_s=max(30.0, 3 * self.c.heartbeat_interval_s),
+            busy_max_s=self.c.job_timeout_s,
+        )
+        # When each claimed entry was read (span clock): set on the prefetch thread, popped
+        # by the loop.
+        self._read_times: dict[bytes, tuple[float, float]] = {}
 
     def _describe(self) -> dict:
         c = self.counters
@@ -230,6 +263,7 @@ class Leader:
             "tokens": c.tokens,
             "reclaimed": self.claimer.stats.reclaimed,
             "device_idle_fraction": c.idle_fraction,
+            "prefix_tokens_saved": c.prefix_tokens_saved,
             "deleted_entries": self.claimer.stats.deleted,
         }
 
@@ -246,6 +280,9 @@ class Leader:
         self.heartbeat.start()
         self.heartbeat.state = "ready"
         log.info("consumer.ready", consumer=self.name, model_version=self.model_version)
+        if self.c.metrics_port:
+            self.metrics.serve(self.c.metrics_port)
+        self.metrics.tick("ready")
         fetcher = Prefetcher(
             self._fetch,
             depth=self.c.prefetch_batches,
@@ -267,6 +304,7 @@ class Leader:
                     t_proc = time.perf_counter()
                     self._wake()
                     self.heartbeat.state = "busy"
+                    self.metrics.tick("busy")
                     self._process_until_done(entries)
                     fetcher.processed()
                     spent = time.perf_counter() - t_proc
@@ -280,6 +318,7 @@ class Leader:
                     self._busy_streak = False  # the queue ran dry: waiting now is not idling
                     self.heartbeat.state = "sleeping" if self.asleep else "ready"
                     self._maybe_sleep()
+                self.metrics.tick(self.heartbeat.state)
                 self._check_control()
                 self._maybe_trim()
         finally:
@@ -288,6 +327,8 @@ class Leader:
             self.writer.close()
             broadcast_batch(None, src=self.scorer.layout.leader_rank, group=self._group)
             self.heartbeat.stop("stopped")
+            self.metrics.tick("stopped")
+            self.metrics.close()
             log.info("consumer.stopped", consumer=self.name,
                      device_idle_fraction=self.counters.idle_fraction,
                      **vars(self.counters))  # fmt: skip
@@ -311,6 +352,7 @@ class Leader:
 
     def _fetch(self) -> list[Entry]:
         """Claim entries (called on the prefetch thread, or inline without prefetch)."""
+        read0 = now()
         while True:
             try:
                 entries = self.claimer.next_entries(self._batch_size())
@@ -322,6 +364,9 @@ class Leader:
                     return []
                 time.sleep(1.0)
         if entries:
+            read1 = now()
+            for eid, _ in entries:
+                self._read_times[eid] = (read0, read1)
             self.heartbeat.hold([eid.decode() for eid, _ in entries])
             self.faults.reached("read")
         return entries
@@ -342,13 +387,14 @@ class Leader:
                 delay = min(delay * 2, 5.0)
 
     def _process(self, entries: list[Entry]) -> None:
-        batch_id = new_id()
         claimed_at = time.time()
         deliveries = self.claimer.delivery_counts([eid for eid, _ in entries])
         jobs: list[Job] = []
         for eid, fields in entries:
             entry_id = eid.decode()
             count = deliveries.get(eid, 1)
+            # get, not pop: _process_until_done may run the same entries again.
+            read0, read1 = self._read_times.get(eid, (claimed_at, claimed_at))
             try:
                 job = decode_job(entry_id, fields, limits=self.limits)
             except InvalidJob as exc:
@@ -367,17 +413,38 @@ class Leader:
             if (job.request.min_model_generation or 0) > self.generation:
                 self._leave_for_newer(job)
                 continue
+            self._claimed(job, read0=read0, read1=read1, deliveries=count)
             jobs.append(job)
+        for eid, _ in entries:
+            self._read_times.pop(eid, None)
         jobs = self._skip_finished(jobs)
         # Entries delivered before were in flight when something died: run each alone, so a
         # poison job cannot take innocent batch-mates down with it again.
         suspects = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) > 1]
         fresh = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) <= 1]
-        groups = plan_microbatches(fresh, token_budget=self.c.token_budget)
+        groups = plan_shared_microbatches(
+            fresh,
+            token_budget=self.c.token_budget,
+            min_prefix_tokens=self.c.min_shared_prefix or None,
+        )
         for group in groups + [[j] for j in suspects]:
             counts = {j.entry_id: deliveries.get(j.entry_id.encode(), 1) for j in group}
-            self._score_and_store(group, batch_id=batch_id, claimed_at=claimed_at,
+            # One id per micro-batch: each has its own trace.
+            self._score_and_store(group, batch_id=new_id(), claimed_at=claimed_at,
                                   deliveries=counts)  # fmt: skip
+
+    def _claimed(self, job: Job, *, read0: float, read1: float, deliveries: int) -> None:
+        """The job's queue_wait and claim spans (in its own trace), and the wait metric."""
+        trace = job.request.trace
+        # A blocking read waited for the job to arrive: its claim starts no earlier than that.
+        claim0 = min(max(read0, job.submitted_at), read1)
+        if job.submitted_at > 0:
+            record("queue_wait", start_time=job.submitted_at, end_time=claim0, carrier=trace,
+                   job_id=job.job_id, entry_id=job.entry_id, deliveries=deliveries)  # fmt: skip
+            self.metrics.job_claimed(queue_wait_s=claim0 - job.submitted_at,
+                                     deliveries=deliveries)  # fmt: skip
+        record("claim", start_time=claim0, end_time=read1, carrier=trace, job_id=job.job_id,
+               consumer=self.name)  # fmt: skip
 
     def _skip_finished(self, jobs: list[Job]) -> list[Job]:
         """Acknowledge, without computing, jobs that already have a result record (done,
@@ -393,6 +460,7 @@ class Leader:
                 self.streams.ack(job.entry_id, tokens=job.counted_tokens)
                 self.heartbeat.release(job.entry_id)
                 self.counters.duplicates_skipped += 1
+                self.metrics.duplicate_skipped()
                 log.info("job.duplicate_skipped", job_id=job.job_id, entry_id=job.entry_id)
             else:
                 seen.add(job.job_id)
@@ -402,15 +470,25 @@ class Leader:
     def _score_and_store(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
     ) -> None:
-        batch = batch_from_jobs(jobs)
         t0 = time.perf_counter()
         self.heartbeat.batch_started = time.monotonic()
+        batch_span = span("batch", root=True, batch_id=batch_id, jobs=len(jobs),
+                          job_ids=[j.job_id for j in jobs], consumer=self.name)  # fmt: skip
         try:
-            with span("batch", batch_id=batch_id, jobs=len(jobs), tokens=batch.num_tokens):
+            with batch_span as b:
+                batch = batch_from_jobs(jobs)
+                packed = b.elapsed()
+                b.child("pack", start_s=0.0, end_s=packed)
+                b.set(tokens=batch.num_tokens)
                 broadcast_batch(batch, src=self.scorer.layout.leader_rank, group=self._group)
+                sent = b.elapsed()
+                b.child("broadcast", start_s=packed, end_s=sent)
                 self.faults.reached("compute")
-                outputs = score_agreed(self.scorer, batch, self.faults)
+                outputs, phases = score_agreed(self.scorer, batch, self.faults)
+                for tp_rank, offsets in enumerate(phases):
+                    attach_phases(b, f"rank{tp_rank}", PHASES, offsets, at_s=sent, rank=tp_rank)
         except Exception as exc:  # noqa: BLE001 - loop boundary: a batch failure must not kill us
+            self.metrics.batch_failed()
             log.warning("batch.failed", batch_id=batch_id, jobs=len(jobs), error=_describe(exc, ""))
             if len(jobs) > 1:  # find the culprit (or get past OOM): each job alone
                 for job in jobs:
@@ -425,6 +503,13 @@ class Leader:
         compute_s = time.perf_counter() - t0
         self.counters.busy_s += compute_s
         self.counters.batches += 1
+        self._link_spans(jobs, b, batch_id=batch_id, packed=packed, sent=sent, phases=phases)
+        self.metrics.batch_done(jobs=len(jobs), tokens=batch.num_tokens, latency_s=compute_s)
+        saved = batch.prefix_tokens_saved
+        self.metrics.prefix_tokens_saved(saved)
+        self.counters.prefix_tokens_saved += saved
+        self.metrics.update_device_memory()
+        self._record_throughput(jobs=len(jobs), tokens=batch.num_tokens)
         for job, arrays in zip(jobs, outputs, strict=True):
             result = TeacherResult(
                 job_id=job.job_id,
@@ -449,7 +534,34 @@ class Leader:
         # Packing documents back to back (thd) computes no padding tokens at all.
         log.info("batch.done", batch_id=batch_id, jobs=len(jobs), tokens=batch.num_tokens,
                  compute_ms=round(compute_s * 1000, 2), padding_waste=0.0,
-                 device_idle_fraction=self.counters.idle_fraction)  # fmt: skip
+                 prefix_tokens_saved=saved,
+                 device_idle_fraction=self.counters.idle_fraction,
+                 **self.metrics.progress_fields())  # fmt: skip
+
+    def _link_spans(
+        self, jobs: list[Job], b: Span, *, batch_id: str, packed: float, sent: float,
+        phases: list[list[float]],
+    ) -> None:  # fmt: skip
+        """Each job's pack / forward / head spans, in its own trace, at the batch's times
+        (the leader's clock), with the batch id that leads to the batch's trace."""
+        lead = phases[self.scorer.layout.tp_rank]
+        t = b.start_wall
+        forward_end = t + sent + lead[2 * PHASES.index("forward") + 1]
+        head_end = t + sent + max(lead)  # head and d2h
+        for job in jobs:
+            link = {"carrier": job.request.trace, "job_id": job.job_id, "batch_id": batch_id}
+            record("pack", start_time=t, end_time=t + packed, **link)
+            record("forward", start_time=t + packed, end_time=forward_end, **link)
+            record("head", start_time=forward_end, end_time=head_end, **link)
+
+    def _record_throughput(self, *, jobs: int, tokens: int) -> None:
+        """One entry per batch on the throughput stream (`teacherq status` tokens/s)."""
+        try:
+            self.r.xadd(throughput_stream(self.queue),
+                        {"jobs": jobs, "tokens": tokens, "consumer": self.name},
+                        maxlen=THROUGHPUT_MAXLEN, approximate=True)  # fmt: skip
+        except redis.RedisError as exc:  # statistics only: never stop the loop for them
+            log.warning("throughput.record_failed", error=str(exc))
 
     def _written(self, task: WriteTask, wrote: bool) -> None:
         self.heartbeat.release(task.entry_id)
@@ -457,6 +569,8 @@ class Leader:
             if task.status == "ok":
                 self.counters.jobs_done += wrote
                 self.counters.tokens += task.tokens if wrote else 0
+                if wrote:
+                    self.metrics.job_done(tokens=task.tokens)
             else:
                 self.counters.jobs_failed += wrote
 
@@ -519,6 +633,8 @@ class Leader:
                 dead_letter=dead,
             )  # fmt: skip
         )
+        self.metrics.dead_lettered(reason=exc_type)
+        self.metrics.job_failed(reason=exc_type)
         log.warning("job.dead_lettered", job_id=job_id, entry_id=entry_id, reason=reason)
 
     def _leave_for_newer(self, job: Job) -> None:

@@ -137,6 +137,7 @@ def snapshot(
     g = _group_info(r, stream, group)
     lag = g.get("lag") if g else 0
     pending = int(g["pending"]) if g else 0
+    consumers = _consumers(r, queue, now, stale_after_s)
     return {
         "queue": queue,
         "group": group,
@@ -152,8 +153,12 @@ def snapshot(
         "dead_letters": r.xlen(keys.dead_stream(queue)),
         "results_announced": r.xlen(keys.done_stream(queue)),
         "in_flight_by_consumer": _in_flight(r, stream, group) if g else {},
-        "consumers": _consumers(r, queue, now, stale_after_s),
+        "consumers": consumers,
         "throughput": _throughput(r, queue, now_ms, window_s),
+        # Since each consumer started: tokens shared-prefix packing did not have to compute.
+        "prefix_tokens_saved": sum(
+            int(c.get("prefix_tokens_saved") or 0) for c in consumers.values()
+        ),
     }
 
 
@@ -183,6 +188,7 @@ def render(snap: dict[str, Any]) -> Group:
     )
     q.add_row("jobs/s", _num(t["jobs_per_s"], "{:,.2f}"))
     q.add_row("tokens/s", _num(t["tokens_per_s"], "{:,.0f}"))
+    q.add_row("prefix tokens saved", _num(snap.get("prefix_tokens_saved", 0)))
 
     f = Table(title="in flight", title_justify="left")
     for col in ("consumer", "entries", "last read", "oldest entry idle", "max deliveries"):

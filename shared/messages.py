@@ -65,6 +65,10 @@ class TeacherRequest(BaseModel):
     them). Older replicas leave the job for newer ones."""
     trace: dict[str, str] = Field(default_factory=dict)
     """Trace carrier (trace_id, parent span) set by the client."""
+    prefix_id: str | None = None
+    """Jobs with the same prefix_id share a prompt (e.g. the responses of one GRPO group):
+    a consumer computes their longest common prefix once for all of them. Results do not
+    depend on it."""
 
     @field_validator("input_ids", mode="before")
     @classmethod
@@ -230,6 +234,8 @@ def encode_job(req: TeacherRequest, *, job_id: str, submitted_at: float | None =
         trace=req.trace,
         submitted_at=submitted_at if submitted_at is not None else time.time(),
     )
+    if req.prefix_id is not None:  # absent when unset, so older consumers still accept the job
+        meta["prefix_id"] = req.prefix_id
     fields: dict[str, Any] = {
         "v": str(SCHEMA_VERSION),
         "job_id": job_id,
@@ -309,7 +315,9 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
     except CodecError as exc:
         raise InvalidJob(str(exc)) from None
     submitted_at = meta.pop("submitted_at", None)
-    unknown = set(meta) - set(_OPTION_FIELDS) - {"metadata", "min_model_generation", "trace"}
+    unknown = (
+        set(meta) - set(_OPTION_FIELDS) - {"metadata", "min_model_generation", "trace", "prefix_id"}
+    )
     if unknown:
         raise InvalidJob(f"field 'meta' has unknown keys {sorted(unknown)}")
     req = parse_request({"input_ids": ids, "label_token_ids": labels, "job_id": job_id, **meta})

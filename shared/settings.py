@@ -192,6 +192,10 @@ class ConsumerSettings(_Section):
     max_deliveries: int = Field(default=3, ge=1)
     """An entry delivered more often than this goes to the dead-letter stream."""
 
+    min_shared_prefix: int = Field(default=64, ge=0)
+    """Jobs read together whose leading tokens agree for at least this many tokens share one
+    forward of that prompt (0: only jobs with the same explicit prefix_id share)."""
+
     head_chunk_rows: int = Field(default=4096, ge=1)
     """Rows of logits the head processes at once: peak extra memory ~ rows x vocab/tp x 2 B on
     the GPU (fused kernels read the bf16 chunk) and a few fp32 copies of it on the CPU."""
