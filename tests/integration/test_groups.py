@@ -61,6 +61,11 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
         np.testing.assert_array_equal(a.sampled_token_ids, b.sampled_token_ids)
     layouts = {c["layout"] for c in client.consumers().values()}
     assert layouts == {"tp1·pp1·dp2", "tp2·pp1·dp1"}
+    # Heartbeats carry the counters: wait until they account for every job.
+    deadline = time.monotonic() + 10
+    while sum(c["jobs_done"] for c in client.consumers().values()) < len(reqs):
+        assert time.monotonic() < deadline, client.consumers()
+        time.sleep(0.1)
     workers = [c for c in client.consumers().values() if c["jobs_done"] > 0]
     assert len(workers) >= 2, "the queue's work is spread over the replicas"
     assert_exactly_once(client, [r.job_id for r in reqs])
