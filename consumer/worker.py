@@ -55,9 +55,9 @@ from consumer.scoring import Scorer
 from consumer.writer import ResultWriter, WriteTask
 from shared import keys, weights
 from shared.errors import InvalidJob
+from shared.keys import THROUGHPUT_MAXLEN, throughput_stream
 from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
 from shared.settings import Settings
-from shared.spans import THROUGHPUT_MAXLEN, throughput_stream
 from shared.storage import ObjectStore
 from shared.streams import Streams
 from shared.tracing import PhaseClock, Span, attach_phases, new_id, now, record, span

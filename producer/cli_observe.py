@@ -6,16 +6,15 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from producer.replay import parse_since
 from shared.settings import Settings, SettingsError, load_settings
 
 out = Console()
@@ -23,28 +22,13 @@ err = Console(stderr=True, soft_wrap=True)
 
 EXIT_NOT_FOUND = 3  # like `teacherq results` for unfinished jobs
 
-_AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
-_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
 
 def parse_time(text: str, *, now: float | None = None) -> float:
-    """Unix seconds from `1733000000.5`, an ISO 8601 time (local time unless it has an
-    offset), or an age such as `90s`, `10m`, `2h`, `1d` (that long before now)."""
-    now = time.time() if now is None else now
-    text = text.strip()
-    m = _AGE.match(text)
-    if m:
-        return now - float(m.group(1)) * _AGE_UNITS[m.group(2)]
+    """`producer.replay.parse_since` for a typer option: a bad value is a usage error."""
     try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r} is not unix seconds, an ISO time or an age like 10m"
-        ) from None
+        return parse_since(text, now=now)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _settings() -> Settings:

@@ -50,9 +50,10 @@ class ReplayDecision:
 
 
 def parse_since(text: str, *, now: float | None = None) -> float:
-    """A time as unix seconds from '30m' / '2h' / '1d' ago, unix seconds, or ISO 8601."""
+    """Unix seconds from an age such as '90s', '10m', '2h', '1d' (that long before now), unix
+    seconds, or an ISO 8601 time (local time unless it has an offset)."""
     now = time.time() if now is None else now
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd])", text.strip())
     if m:
         scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
         return now - float(m.group(1)) * scale
@@ -64,8 +65,7 @@ def parse_since(text: str, *, now: float | None = None) -> float:
         return datetime.fromisoformat(text).timestamp()
     except ValueError:
         raise ValueError(
-            f"--since {text!r}: expected a duration like 30m / 2h / 1d, unix seconds, "
-            "or an ISO 8601 time"
+            f"{text!r}: expected an age like 30m / 2h / 1d, unix seconds, or an ISO 8601 time"
         ) from None
 
 

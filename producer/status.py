@@ -11,7 +11,7 @@ Figures and where they come from:
 - `consumers`: the heartbeat records (`keys.consumers_key`), with their age and `alive`;
 - `throughput`: completions in the last `window_s` seconds from the done stream's entry ids
   (their millisecond timestamps), tokens from the throughput stream the consumers append one
-  entry per batch to (`shared.spans.throughput_stream`); windows use the server's clock.
+  entry per batch to (`shared.keys.throughput_stream`); windows use the server's clock.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rich.console import Group
 from rich.table import Table
 
 from shared import keys
-from shared.spans import throughput_stream
+from shared.keys import throughput_stream
 
 SAMPLE_ENTRIES = 10  # in-flight entries listed per consumer
 

@@ -111,3 +111,35 @@ def dataset_lease_key(queue: str, dataset_id: str) -> str:
 # TTLs and limits.
 SUBMITTED_TTL_S = 7 * 24 * 3600
 DONE_STREAM_MAXLEN = 100_000  # completion notices are advisory: results live in result_key
+
+
+# Traces and throughput (shared/spans.py, `teacherq trace` / `status`).
+TRACE_TTL_S = 3 * 24 * 3600  # traces are for diagnosis, not an archive
+TRACE_MAX_SPANS = 10_000  # per trace; the newest are kept
+THROUGHPUT_MAXLEN = 100_000  # batch completion notices kept for `teacherq status`
+
+
+def trace_key(queue: str, trace_id: str) -> str:
+    """List of one trace's span records (JSON), oldest first."""
+    return f"{_q(queue)}:trace:{trace_id}"
+
+
+def job_trace_key(queue: str, job_id: str) -> str:
+    """String: the trace id of a job."""
+    return f"{_q(queue)}:trace_job:{job_id}"
+
+
+def batch_trace_key(queue: str, batch_id: str) -> str:
+    """String: the trace id of a batch (its own trace, shared by the jobs that rode in it)."""
+    return f"{_q(queue)}:trace_batch:{batch_id}"
+
+
+def trace_jobs_key(queue: str) -> str:
+    """Sorted set job_id -> unix time of its first recorded span (for `--since/--until`)."""
+    return f"{_q(queue)}:trace_jobs"
+
+
+def throughput_stream(queue: str) -> str:
+    """Capped stream, one entry per scored batch (fields jobs, tokens, consumer): tokens/s over
+    a window is the sum over entries whose ids (ms timestamps) fall in it."""
+    return f"{_q(queue)}:throughput"

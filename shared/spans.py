@@ -32,47 +32,17 @@ from collections.abc import Iterable
 import redis
 import structlog
 
-from shared import keys
+from shared.keys import (
+    TRACE_MAX_SPANS,
+    TRACE_TTL_S,
+    batch_trace_key,
+    job_trace_key,
+    trace_jobs_key,
+    trace_key,
+)
 from shared.tracing import SpanRecord, configure_sink
 
 log = structlog.get_logger("teacherq.spans")
-
-# -- keys (to move into shared/keys.py) ---------------------------------------------------
-
-TRACE_TTL_S = 3 * 24 * 3600  # traces are for diagnosis, not an archive
-TRACE_MAX_SPANS = 10_000  # per trace; the newest are kept
-THROUGHPUT_MAXLEN = 100_000  # batch completion notices kept for `teacherq status`
-
-
-def _q(queue: str) -> str:
-    return f"{keys.PREFIX}:{{{queue}}}"
-
-
-def trace_key(queue: str, trace_id: str) -> str:
-    """List of one trace's span records (JSON), oldest first."""
-    return f"{_q(queue)}:trace:{trace_id}"
-
-
-def job_trace_key(queue: str, job_id: str) -> str:
-    """String: the trace id of a job."""
-    return f"{_q(queue)}:trace_job:{job_id}"
-
-
-def batch_trace_key(queue: str, batch_id: str) -> str:
-    """String: the trace id of a batch (its own trace, shared by the jobs that rode in it)."""
-    return f"{_q(queue)}:trace_batch:{batch_id}"
-
-
-def trace_jobs_key(queue: str) -> str:
-    """Sorted set job_id -> unix time of its first recorded span (for `--since/--until`)."""
-    return f"{_q(queue)}:trace_jobs"
-
-
-def throughput_stream(queue: str) -> str:
-    """Capped stream, one entry per scored batch (fields jobs, tokens, consumer): tokens/s over
-    a window is the sum over entries whose ids (ms timestamps) fall in it."""
-    return f"{_q(queue)}:throughput"
-
 
 # -- the sink ------------------------------------------------------------------------------
 

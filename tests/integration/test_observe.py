@@ -34,18 +34,17 @@ from producer import TeacherClient, TeacherRequest
 from producer.progress import WaitProgress
 from producer.status import render, snapshot
 from shared import keys, tracing
-from shared.messages import Limits, TeacherResult, decode_job
-from shared.results import encode_record
-from shared.settings import Settings, to_env
-from shared.spans import (
-    RedisSpanSink,
-    TraceStore,
+from shared.keys import (
     batch_trace_key,
     job_trace_key,
     throughput_stream,
     trace_jobs_key,
     trace_key,
 )
+from shared.messages import Limits, TeacherResult, decode_job
+from shared.results import encode_record
+from shared.settings import Settings, to_env
+from shared.spans import RedisSpanSink, TraceStore
 from shared.streams import Streams
 from shared.tracing import new_id, record, span
 from tests.conftest import REPO
