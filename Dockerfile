@@ -1,0 +1,48 @@
+# teacherq image: GPU consumers (`python -m consumer`, `torchrun ... -m consumer`), the rq worker
+# and the `teacherq` CLI all run from it (see docker-compose.yml).
+#
+#   docker build -t teacherq:latest .
+#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:<tag> -t teacherq:latest .
+#
+# The base image brings CUDA, cuDNN, NCCL and a CUDA build of torch; teacherq's other
+# dependencies are installed around that torch, never replacing it. torchrun honours
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (the TP drain window) from torch 2.12 on.
+ARG BASE_IMAGE=pytorch/pytorch:2.12.1-cuda12.6-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1
+
+WORKDIR /opt/teacherq
+
+# Dependencies get their own layer, keyed on pyproject.toml alone: editing the source does not
+# reinstall them. torch is left out of the list and pinned by a constraint to the version the
+# base image ships, so that no dependency can pull a second (multi-GB) torch build.
+COPY pyproject.toml ./
+RUN python -c "import re, tomllib; \
+deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(d for d in deps if re.split(r'[\s<>=!~;\[]', d, maxsplit=1)[0] != 'torch'))" \
+        > /tmp/requirements.txt \
+    && python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+        > /tmp/constraints.txt \
+    && python -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
+    && rm /tmp/requirements.txt /tmp/constraints.txt
+
+# The project itself, without dependencies (all present above).
+COPY . .
+RUN python -m pip install --no-deps . \
+    && rm -rf build ./*.egg-info
+
+# Run as an unprivileged user; /work is its writable working directory (relative paths such as
+# the default ./.teacherq land there).
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin teacherq \
+    && mkdir -p /work \
+    && chown teacherq:teacherq /work
+USER teacherq
+WORKDIR /work
+
+# No ENTRYPOINT: compose's `command:` (consumer, torchrun, `teacherq worker`) runs as given.
+CMD ["python", "-m", "consumer"]
