@@ -22,6 +22,7 @@ from producer.client import TeacherClient
 from shared.messages import TeacherRequest
 from shared.redis_server import ensure_embedded, stop_embedded
 from shared.settings import Settings
+from shared.spans import install_sink
 
 
 @dataclass
@@ -91,6 +92,8 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
     try:
         redis_cfg = settings.redis.model_copy(update={"url": url})
         client = TeacherClient(settings.model_copy(update={"redis": redis_cfg}))
+        # Record the demo's submit spans too, so `teacherq trace JOB_ID` shows whole trees.
+        sink = install_sink(client.r, settings.queue.name, process="teacherq demo")
         _wait_for_consumer(client, consumer, timeout=timeout)
         run = secrets.token_hex(3)
         vocab = client.limits().vocab_size or 1000
@@ -99,6 +102,7 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
         ids = client.submit(requests)
         results = client.wait(ids, timeout=timeout)
         seconds = time.perf_counter() - t0
+        sink.close()
         failed = [r for r in results if not r.ok]
         return DemoReport(
             jobs=len(results),
