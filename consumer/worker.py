@@ -281,7 +281,8 @@ class Leader:
         self.heartbeat.state = "ready"
         log.info("consumer.ready", consumer=self.name, model_version=self.model_version)
         if self.c.metrics_port:
-            self.metrics.serve(self.c.metrics_port)
+            # One port per data-parallel replica of a launch, so leaders never clash.
+            self.metrics.serve(self.c.metrics_port + self.scorer.layout.dp_rank)
         self.metrics.tick("ready")
         fetcher = Prefetcher(
             self._fetch,

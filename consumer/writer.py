@@ -20,7 +20,7 @@ import structlog
 from consumer.faults import FaultInjector
 from shared.messages import TeacherResult
 from shared.results import encode_record
-from shared.storage import ObjectStore, StorageError
+from shared.storage import ObjectStore, TransientStorageError
 from shared.streams import Streams
 from shared.tracing import span
 
@@ -97,9 +97,16 @@ class ResultWriter:
                 if self.on_done:
                     self.on_done(task, wrote)
                 return wrote
-            except (redis.ConnectionError, redis.TimeoutError, StorageError) as exc:
-                # Transient by policy: Redis restarting, storage hiccup. The entry stays
-                # pending until this succeeds.
+            except (
+                redis.ConnectionError,
+                redis.TimeoutError,
+                redis.exceptions.OutOfMemoryError,
+                TransientStorageError,
+            ) as exc:
+                # Transient by policy: Redis restarting or full (noeviction: it refuses writes
+                # until consumers drain it), a storage hiccup. The entry stays pending until
+                # this succeeds. Any other storage error (a missing bucket, bad credentials) is
+                # a configuration error and is raised: the consumer stops loudly.
                 log.warning("store.retry", job_id=task.result.job_id, error=str(exc), delay_s=delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)

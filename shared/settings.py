@@ -175,7 +175,8 @@ class ConsumerSettings(_Section):
     weight update wakes the consumer."""
 
     metrics_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the Prometheus /metrics and /healthz endpoint (0: off)."""
+    """Port of the Prometheus /metrics and /healthz endpoint (0: off); the leader of
+    data-parallel replica d of a launch serves on port + d."""
 
     crash_at: str | None = None
     """Fault injection for tests only: `<point>:<n>` makes the process exit abruptly
