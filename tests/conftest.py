@@ -22,6 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
+def layout():
+    """A world-of-one parallel layout in the test process, megatron-core patched for CPU."""
+    from consumer import cpu_compat
+    from consumer.parallel import init_parallel
+
+    cpu_compat.apply()
+    return init_parallel(tp=1, pp=1)
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real valkey-server on a free loopback port in a temp dir, for the whole session."""
     data = tmp_path_factory.mktemp("valkey")

@@ -240,15 +240,6 @@ def test_unsupported_features_are_refused(family, over, message):
 
 
 @pytest.fixture(scope="module")
-def layout():
-    from consumer import cpu_compat
-    from consumer.parallel import init_parallel
-
-    cpu_compat.apply()
-    return init_parallel(tp=1, pp=1)
-
-
-@pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A qwen2 checkpoint (q/k/v biases), 64 hidden, 4 heads / 2 KV heads of 16, vocab 300."""
     from transformers.utils import logging as hf_logging

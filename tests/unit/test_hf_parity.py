@@ -67,15 +67,6 @@ def _logprobs(full_logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def layout():
-    from consumer import cpu_compat
-    from consumer.parallel import init_parallel
-
-    cpu_compat.apply()
-    return init_parallel(tp=1, pp=1)
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     from transformers.utils import logging as hf_logging
 
