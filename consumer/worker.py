@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 import structlog
@@ -107,8 +107,6 @@ class Counters:
         """Share of working time the device was not computing although work was at hand."""
         total = self.busy_s + self.idle_s
         return round(self.idle_s / total, 4) if total else 0.0
-
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class GroupFailure(RuntimeError):
@@ -343,12 +341,12 @@ class Leader:
         total = self.c.max_in_flight_total
         if total is None:
             return self.c.batch_max_jobs
-        now = time.time()
-        live = 0
-        for raw in self.r.hvals(keys.consumers_key(self.queue)):
-            rec = _json(raw)
-            fresh = now - rec.get("time", 0) < 3 * self.c.heartbeat_interval_s
-            live += fresh and rec.get("state") in ("ready", "busy")
+        live = len(
+            weights.live_replicas(
+                self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s,
+                states=("ready", "busy"),
+            )
+        )  # fmt: skip
         return max(1, min(self.c.batch_max_jobs, math.ceil(total / max(live, 1))))
 
     def _fetch(self) -> list[Entry]:
@@ -752,16 +750,6 @@ def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _json(raw: bytes) -> dict:
-    import json
-
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class Prefetcher:

@@ -138,8 +138,11 @@ def wait_done(r: redis.Redis, queue: str, generation: int, *, timeout_s: float) 
             cursor = entries[-1][0]
 
 
-def live_replicas(r: redis.Redis, queue: str, *, fresh_s: float) -> list[str]:
-    """Names of consumers whose heartbeat is younger than fresh_s and not stopped."""
+def live_replicas(
+    r: redis.Redis, queue: str, *, fresh_s: float, states: tuple[str, ...] | None = None
+) -> list[str]:
+    """Names of consumers whose heartbeat is younger than fresh_s and whose state is one of
+    `states` (None: any state but stopped)."""
     now = time.time()
     names = []
     for name, raw in r.hgetall(keys.consumers_key(queue)).items():
@@ -147,6 +150,9 @@ def live_replicas(r: redis.Redis, queue: str, *, fresh_s: float) -> list[str]:
             rec = json.loads(raw)
         except ValueError:
             continue
-        if now - rec.get("time", 0) < fresh_s and rec.get("state") != "stopped":
+        if not isinstance(rec, dict) or now - rec.get("time", 0) >= fresh_s:
+            continue
+        state = rec.get("state")
+        if (state in states) if states is not None else state != "stopped":
             names.append(name.decode())
     return names
