@@ -56,15 +56,23 @@ def ds_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) for every process, from /proc."""
+    table: dict[int, tuple[int, str]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                table[int(entry.name)] = (int(fields[1]), fields[0])
             except (OSError, IndexError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(int(entry.name))
+    return table
+
+
+def _descendants(pid: int, table: dict[int, tuple[int, str]]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for child, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -73,16 +81,37 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _wait_until(pids: list[int], states: str, timeout: float = 10.0) -> None:
+    """Wait until every pid is in one of `states` (or gone)."""
+    deadline = time.monotonic() + timeout
+    while any((st := _proc_table().get(pid)) is not None and st[1] not in states for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} did not reach state {states}"
+        time.sleep(0.005)
+
+
 def kill_tree(proc: subprocess.Popen) -> list[int]:
     """SIGKILL a worker and everything it started: its rq work-horse (in a process group of
     its own) and its scheduler. Killing only the parent would leave the horse running the
-    ingest to the end, which is no crash at all."""
-    os.kill(proc.pid, signal.SIGSTOP)  # frozen, it cannot fork a horse we would miss
-    pids = [proc.pid, *_descendants(proc.pid)]
+    ingest to the end, which is no crash at all.
+
+    Every process is frozen first, and its children are listed only once it is seen stopped:
+    a parent caught inside fork() would otherwise create a horse after the listing, and that
+    orphan would go on ingesting. Returns once every process is dead."""
+    pids = [proc.pid]
+    while True:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        _wait_until(pids, "TtZX")
+        found = {proc.pid, *_descendants(proc.pid, _proc_table())}
+        if found <= set(pids):
+            break
+        pids = sorted(set(pids) | found)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=10)
+    _wait_until(pids, "ZX")  # orphans' zombies are init's to reap
     return pids
 
 
