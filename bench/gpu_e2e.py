@@ -7,7 +7,8 @@ tokens packed `--tokens-per-forward` tokens to a forward, the same for every pat
              forward with logits, a full-vocabulary fp32 log_softmax and a gather of the
              next-token log-probs -- what a user would write;
   (b) bare   the forward to the final hidden states only, HF `model.model(...)` -- the ceiling;
-      (b')   the same for teacherq's TeacherGPTModel on a packed (thd) batch;
+      (b')   the same for teacherq's TeacherGPTModel on a packed (thd) batch, with CUDA
+             graphs as the consumer serves it; (b'e) the same, eager;
   (c) e2e    teacherq end to end: an embedded valkey-server, a real consumer process
              (`consumer.service.run`, serving a random-init TeacherGPTModel built on the
              device), jobs submitted with TeacherClient and waited for, results through
@@ -40,7 +41,7 @@ MFU = FLOPs / seconds / 790e12 (the bf16 dense rate measured on an H200).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -145,11 +146,13 @@ def _timed(fn: Callable[[], object], *, iters: int, warmup: int, cuda: bool) -> 
         times.append(time.perf_counter() - t0)
         del out
     peak = torch.cuda.max_memory_allocated() if cuda else None
+    reserved = torch.cuda.max_memory_reserved() if cuda else None
     return {
         "median_s": statistics.median(times),
         "min_s": min(times),
         "times_s": [round(t, 5) for t in times],
         "peak_gib": _gib(peak),
+        "peak_reserved_gib": _gib(reserved),
     }
 
 
@@ -348,12 +351,12 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
         res["direct_full"] = _timed(lambda b=full: scorer.score(b), **t)
         res["busy_label"] = _kernel_busy(lambda b=label: scorer.score(b), cuda)
         res["busy_full"] = _kernel_busy(lambda b=full: scorer.score(b), cuda)
-
-        if args.experiments:
-            with _proposed_attention():
-                res["proposed_bare_ours"] = _timed(lambda b=label: scorer.hidden_states(b), **t)
-                res["proposed_direct_label"] = _timed(lambda b=label: scorer.score(b), **t)
-                res["proposed_direct_full"] = _timed(lambda b=full: scorer.score(b), **t)
+        if scorer.graphs is not None:  # the same without CUDA graphs, for comparison
+            e = dataclasses.replace(scorer, graphs=None)
+            res["bare_ours_eager"] = _timed(lambda b=label, e=e: e.hidden_states(b), **t)
+            res["direct_label_eager"] = _timed(lambda b=label, e=e: e.score(b), **t)
+            res["direct_full_eager"] = _timed(lambda b=full, e=e: e.score(b), **t)
+            res["busy_label_eager"] = _kernel_busy(lambda b=label, e=e: e.score(b), cuda)
         out[str(seqlen)] = res
         if seqlen != args.seqlens[0]:
             continue  # the head does not depend on the document length
@@ -389,44 +392,6 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
         del hidden
     out["check"] = _head_check(scorer, vocab, args.seqlens[0])
     return out
-
-
-@contextlib.contextmanager
-def _proposed_attention():
-    """Two changes proposed for consumer/attention.py, applied here for a measurement only
-    (the e2e path (c) runs the code as it is):
-
-    - DocumentBounds on the host: megatron's thd RoPE calls cu_seqlens.tolist() for q and k in
-      every layer, a device sync each time the offsets live on the GPU;
-    - documents of one length (the common packed case) in one batched SDPA call per layer
-      instead of one call per document.
-    """
-    import torch
-
-    from consumer.attention import DocumentBounds, SdpaCoreAttention
-
-    from_lengths = DocumentBounds.__dict__["from_lengths"]
-    per_document = SdpaCoreAttention._forward_packed
-
-    def host_bounds(cls, lengths, device):
-        return from_lengths.__func__(cls, lengths, torch.device("cpu"))
-
-    def batched(self, query, key, value, params):
-        bounds = getattr(params, "bounds", ())
-        lengths = {e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)}
-        if len(lengths) != 1:
-            return per_document(self, query, key, value, params)
-        n, s = len(bounds) - 1, lengths.pop()
-        q, k, v = (t.reshape(n, s, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
-        return self._sdpa(q, k, v).transpose(1, 2).reshape(query.shape[0], -1)
-
-    DocumentBounds.from_lengths = classmethod(host_bounds)
-    SdpaCoreAttention._forward_packed = batched
-    try:
-        yield
-    finally:
-        DocumentBounds.from_lengths = from_lengths
-        SdpaCoreAttention._forward_packed = per_document
 
 
 def _kernel_mode(args: argparse.Namespace) -> str:
@@ -474,8 +439,9 @@ def consumer_child(args: argparse.Namespace) -> int:
         report["build_s"] = round(time.perf_counter() - t0, 2)
         cuda = device.type == "cuda"
         report["weights_gib"] = _gib(torch.cuda.memory_allocated() if cuda else None)
+        graphs = service.graphed_forward(model, settings, layout, device)
         scorer = Scorer(model=model, spec=spec, layout=layout, device=device,
-                        chunk_rows=settings.consumer.head_chunk_rows)  # fmt: skip
+                        chunk_rows=settings.consumer.head_chunk_rows, graphs=graphs)  # fmt: skip
         if not report.get("direct"):
             report["direct"] = _direct(scorer, args, cfg)
             _instrument_scoring()
@@ -490,6 +456,7 @@ def consumer_child(args: argparse.Namespace) -> int:
     finally:
         cuda = torch.cuda.is_available() and settings.consumer.device != "cpu"
         report["serve_peak_gib"] = _gib(torch.cuda.max_memory_allocated() if cuda else None)
+        report["serve_peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved() if cuda else None)
         report["spans"] = SPANS
         Path(args.out).write_text(json.dumps(report))
 
@@ -500,10 +467,10 @@ def _instrument_scoring() -> None:
 
     original = Scorer.score
 
-    def score(self, batch):
+    def score(self, batch, clock=None):
         t0 = time.time()
         try:
-            return original(self, batch)
+            return original(self, batch, clock)
         finally:
             SPANS.append([t0, time.time(), int(batch.num_tokens)])
 
@@ -520,7 +487,7 @@ def _child_args(args: argparse.Namespace, role: str, model: str) -> list[str]:
     cmd += ["--seqlens", ",".join(map(str, args.seqlens)), "--iters", str(args.iters)]
     cmd += ["--tokens-per-forward", str(args.tokens_per_forward), "--device", args.device]
     cmd += ["--e2e-forwards", str(args.e2e_forwards)]
-    for flag in ("experiments", "portable_kernels", "no_fused"):
+    for flag in ("portable_kernels", "no_fused"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd
@@ -595,6 +562,7 @@ def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
             consumer={
                 "token_budget": args.tokens_per_forward,
                 "head_chunk_rows": args.head_chunk_rows,
+                "cuda_graphs": args.cuda_graphs,
                 "device": args.device,
                 "store_threads": 4,
                 "block_ms": 200,
@@ -707,9 +675,9 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
             sec = w["seconds"] * tpf / w["tokens"]  # seconds per forward's worth of tokens
             rows.append(_row(f"(c) e2e {kind}", sec, tpf, fl_head, e2e.get("serve_peak_gib")))
         for name, key_, fl in (
-            ("(b'*) bare fwd, ours, proposed", "proposed_bare_ours", fl_bare),
-            ("(c-direct*) label, proposed", "proposed_direct_label", fl_head),
-            ("(c-direct*) full, proposed", "proposed_direct_full", fl_head),
+            ("(b'e) bare fwd, ours, eager", "bare_ours_eager", fl_bare),
+            ("(c-direct e) label, eager", "direct_label_eager", fl_head),
+            ("(c-direct e) full, eager", "direct_full_eager", fl_head),
         ):
             if key_ in d:
                 rows.append(_row(name, d[key_]["median_s"], tpf, fl, d[key_]["peak_gib"]))
@@ -750,13 +718,13 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
             lines.append(
                 "head alone (s): " + ", ".join(f"{k[5:]} {d[k]['median_s']:.4f}" for k in heads)
             )
-        for kind in ("label", "full"):
-            star = by.get(f"(c-direct*) {kind}, proposed")
-            if star:
-                lines.append(
-                    f"(c-direct*) {kind} with the proposed attention changes, no queue: c/a "
-                    f"{star['tok_s'] / a['tok_s']:.3f}, c/b {star['tok_s'] / b['tok_s']:.3f}"
-                )
+        if "busy_label_eager" in d:
+            lines.append(f"kernel busy, label, eager forward: {d['busy_label_eager']:.1%}")
+        lines.append(
+            "peak reserved GiB (allocator pools, CUDA graphs included): (a) "
+            f"{h['hf'].get('peak_reserved_gib')}, (b) {h['bare_hf'].get('peak_reserved_gib')}, "
+            f"(c) serving {e2e.get('serve_peak_reserved_gib')}"
+        )
     lines.append(f"check vs full-vocab PyTorch: {json.dumps(e2e['direct']['check'])}")
     return lines
 
@@ -779,10 +747,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json-out", help="write every number here as JSON")
     parser.add_argument(
-        "--experiments",
-        action="store_true",
-        help="also time (b') and (c-direct) with the attention changes proposed for "
-        "consumer/attention.py (host cu_seqlens, one SDPA call for equal-length documents)",
+        "--cuda-graphs",
+        type=int,
+        default=4,
+        help="TEACHERQ_CONSUMER__CUDA_GRAPHS of the consumer (0: eager forwards only)",
     )
     parser.add_argument(
         "--portable-kernels", action="store_true", help="the portable Gumbel screen (slower)"

@@ -5,12 +5,13 @@ this module plugs into the same slot of a megatron layer spec (`SelfAttentionSub
 core_attention`) and calls SDPA with `is_causal=True` instead, so flash / memory-efficient kernels
 run on the GPU and nothing quadratic is allocated on the CPU beyond what SDPA itself needs.
 
-Packed batches (several documents in one row) arrive in megatron's `thd` layout with
-`DocumentBounds`: each document attends causally to itself only, one SDPA call per document.
+Packed batches arrive in megatron's `thd` layout with `TreeBounds`. A plain document attends
+causally to itself only; adjacent documents of one length (the usual packed batch) go through
+SDPA as one batch, viewed [documents, length, heads, dim] without a copy.
 
-Batches with shared prompts (`consumer/prefix.py`) arrive with `TreeBounds`: a response
-segment attends to its prompt's rows and causally to itself. Per response that is one SDPA
-call with keys = prompt ++ response and a lower-right-aligned causal mask of shape [r, p + r]
+In batches with shared prompts (`consumer/prefix.py`) a response segment attends to its
+prompt's rows and causally to itself. Per response that is one SDPA call with keys = prompt ++
+response and a lower-right-aligned causal mask of shape [r, p + r]
 (`torch.nn.attention.bias.causal_lower_right`): query i of the response sees every prompt key
 and response keys 0..i. On CUDA that mask is never materialised (flash / memory-efficient
 kernels take it as a flag); elsewhere SDPA gets the [r, p + r] boolean mask, never a
@@ -20,7 +21,7 @@ separately and merged, because SDPA does not return the log-sum-exp a merge woul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -29,54 +30,36 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
-class DocumentBounds(PackedSeqParams):
-    """PackedSeqParams plus the document boundaries as host integers (no device sync per layer).
-
-    `bounds` holds the cumulative token offsets `[0, len_0, len_0 + len_1, ..., total]`.
-    """
-
-    bounds: tuple[int, ...] = ()
-
-    @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device) -> DocumentBounds:
-        """Build thd packing parameters for documents of the given lengths, in order."""
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
-        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-        longest = max(lengths)
-        return cls(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-            bounds=tuple(bounds),
-        )
-
-
-@dataclass
 class TreeBounds(PackedSeqParams):
-    """thd packing where a segment may also see an earlier one (its shared prompt) in full.
+    """thd packing of segments, where a segment may also see an earlier one (its shared prompt)
+    in full. Plain packed documents are segments that see nothing else.
 
     `segments` holds host integers (start, end, context_start, context_end) over packed rows;
     an empty context means plain causal attention within the segment. Rotary embeddings come
-    from the forward's explicit position ids (positions continue from the prompt in each
-    response), not from the row index within a segment: `TeacherGPTModel` gathers the rotary
-    table at those ids, and `cu_seqlens` spans the whole pack as one sequence so that megatron
-    applies row t's angles to row t whatever its segment.
+    from the forward's explicit position ids (positions restart in each document and continue
+    from the prompt in each response), not from the row index within a segment:
+    `TeacherGPTModel` gathers the rotary table at those ids once per forward, and `cu_seqlens`
+    spans the whole pack as one sequence so that megatron applies row t's angles to row t
+    whatever its segment.
+
+    `cu_seqlens` stay on the host (megatron reads them with `.tolist()`, a device sync each
+    time on a device tensor).
+
+    `rope` is set by `TeacherGPTModel` for its forward: the cos and sin [rows, rot_dim / 2]
+    (fp32) of every packed row's rotary angles. The model then hands megatron no rotary
+    embedding, and `SdpaCoreAttention` rotates q and k itself (see `apply_rope`).
     """
 
     segments: tuple[tuple[int, int, int, int], ...] = ()
+    rope: tuple[Tensor, Tensor] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_segments(
-        cls, segments: tuple[tuple[int, int, int, int], ...], *, max_position: int,
-        device: torch.device,
-    ) -> TreeBounds:  # fmt: skip
+        cls, segments: tuple[tuple[int, int, int, int], ...], *, max_position: int
+    ) -> TreeBounds:
         """thd parameters for packed segments; `max_position` is the largest position id."""
         total = segments[-1][1]
-        cu = torch.tensor([0, total], dtype=torch.int32, device=device)
+        cu = torch.tensor([0, total], dtype=torch.int32)
         return cls(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -86,6 +69,54 @@ class TreeBounds(PackedSeqParams):
             max_seqlen_kv=max_position + 1,
             segments=segments,
         )
+
+    @classmethod
+    def documents(cls, lengths: list[int] | tuple[int, ...]) -> TreeBounds:
+        """Documents of the given lengths back to back, each attending causally to itself
+        (the forward's position ids must restart at 0 in each)."""
+        segments, start = [], 0
+        for n in lengths:
+            segments.append((start, start + n, start, start))
+            start += n
+        return cls.from_segments(tuple(segments), max_position=max(lengths) - 1)
+
+
+def attention_runs(
+    segments: tuple[tuple[int, int, int, int], ...],
+) -> list[tuple[int, int, int, int, int]]:
+    """The SDPA calls a pack needs: (start, end, documents, context_start, context_end).
+
+    Adjacent context-free segments of one length form one run (`documents` of them, attended
+    as a batch); a segment with a context is a run of its own with `documents` = 0."""
+    runs: list[tuple[int, int, int, int, int]] = []
+    for start, end, c0, c1 in segments:
+        if c0 != c1:
+            runs.append((start, end, 0, c0, c1))
+            continue
+        if runs:
+            r0, r1, docs, _, _ = runs[-1]
+            if docs and r1 == start and (r1 - r0) // docs == end - start:
+                runs[-1] = (r0, end, docs + 1, r0, r0)
+                continue
+        runs.append((start, end, 1, start, start))
+    return runs
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [rows, heads, dim] rotated by its rows' angles, cos and sin [rows, rot / 2] fp32
+    (rotate-half layout over the first `rot` dims, the rest passed through). One fused kernel
+    on CUDA (consumer/kernels/rope.py); elsewhere megatron's arithmetic in x's dtype."""
+    rot = 2 * cos.shape[-1]
+    if x.is_cuda and rot == x.shape[-1]:
+        try:
+            from consumer.kernels.rope import rope
+        except ImportError:  # no Triton: PyTorch below
+            pass
+        else:
+            return rope(x, cos, sin)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x[..., : rot // 2], x[..., rot // 2 : rot]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., rot:]), dim=-1)
 
 
 class SdpaCoreAttention(nn.Module):
@@ -111,33 +142,32 @@ class SdpaCoreAttention(nn.Module):
         if attention_bias is not None:
             raise ValueError("SdpaCoreAttention does not support attention_bias")
         if isinstance(packed_seq_params, TreeBounds):
+            if packed_seq_params.rope is not None:
+                cos, sin = packed_seq_params.rope
+                query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
             return self._forward_tree(query, key, value, packed_seq_params.segments)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._forward_packed(query, key, value, packed_seq_params)
+            raise ValueError("thd batches need TreeBounds (segments on the host)")
         # sbhd: [s, b, heads, dim] -> [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = self._sdpa(q, k, v)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _forward_packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
-        # thd: [tokens, heads, dim]; one causal SDPA per document.
-        bounds = getattr(params, "bounds", None) or tuple(params.cu_seqlens_q.tolist())
-        out = torch.empty_like(query)
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            out[start:end] = self._sdpa(q, k, v)[0].transpose(0, 1)
-        return out.reshape(query.shape[0], -1)
-
     def _forward_tree(self, query: Tensor, key: Tensor, value: Tensor, segments) -> Tensor:
-        # thd: [tokens, heads, dim]; one SDPA per segment, prompt keys prepended to responses'.
+        # thd: [tokens, heads, dim]. One SDPA call per run of adjacent documents of one length
+        # (viewed as a batch, no copy), one per response (its prompt's keys prepended).
         out = torch.empty_like(query)
-        for start, end, c0, c1 in segments:
-            q = query[start:end].transpose(0, 1).unsqueeze(0)
-            if c0 == c1:
-                k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (key, value))
-                out[start:end] = self._sdpa(q, k, v)[0].transpose(0, 1)
+        for start, end, docs, c0, c1 in attention_runs(segments):
+            if docs:
+                q, k, v = (
+                    t[start:end].view(docs, (end - start) // docs, *t.shape[1:]).transpose(1, 2)
+                    for t in (query, key, value)
+                )
+                dst = out[start:end].view(docs, (end - start) // docs, *out.shape[1:])
+                dst.copy_(self._sdpa(q, k, v).transpose(1, 2))
                 continue
+            q = query[start:end].transpose(0, 1).unsqueeze(0)
             # The first response follows its prompt in the pack: a view, no copy.
             k, v = (
                 t[c0:end] if c1 == start else torch.cat((t[c0:c1], t[start:end]))

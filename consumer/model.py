@@ -3,7 +3,7 @@
 `ModelSpec` is the architecture in plain numbers (what a Hugging Face config.json or a Megatron
 checkpoint describes); `build_model` turns it into a `TeacherGPTModel` on this rank's shard of the
 tensor-parallel layout. The model stops before the output layer: the teacher head
-(`consumer/head.py`) multiplies hidden states by the vocab-parallel output weight in row chunks,
+(`consumer/tp_ops.py`) multiplies hidden states by the vocab-parallel output weight in row chunks,
 so no [tokens, vocab] logits tensor is ever materialised.
 """
 
@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn import functional as F
 
 from consumer.attention import SdpaCoreAttention, TreeBounds
 from consumer.parallel import ParallelLayout
@@ -77,20 +79,66 @@ class TeacherGPTModel(GPTModel):
         out = super()._preprocess(*args, **kwargs)
         params = kwargs.get("packed_seq_params")
         if isinstance(params, TreeBounds) and out[1] is not None:
-            # Megatron rotates row t of a thd segment by the angles of index t within it; a
-            # response continuing a shared prompt needs its real positions instead. Its own
-            # rotary module (scaling included) computes the table; gathered at the explicit
-            # position ids it holds one row per packed token, which megatron applies row by
-            # row because TreeBounds' cu_seqlens make the pack a single sequence.
-            table = self.rotary_pos_emb(params.max_seqlen_q)  # [max_pos + 1, 1, 1, dim]
-            out = (out[0], table[kwargs["position_ids"].reshape(-1)], *out[2:])
+            # Megatron would rotate row t of a thd segment by the angles of index t within it;
+            # a response continuing a shared prompt needs its real positions instead. So the
+            # rotation happens in SdpaCoreAttention, from the cos and sin of the angles at the
+            # explicit position ids, gathered here once per forward from tables computed by the
+            # model's own rotary module (scaling included); megatron gets no rotary embedding.
+            positions = kwargs["position_ids"].reshape(-1)
+            cos, sin = self.rope_tables(positions.device)
+            params.rope = (cos[positions], sin[positions])
+            out = (out[0], None, *out[2:])
         return out
+
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles of every position below max_sequence_length,
+        [max, rot_dim / 2] fp32 each.
+
+        Computed once and kept as non-persistent buffers, so they move with the model and
+        keep one address: a CUDA graph of the forward reads them there (megatron's own tables
+        live in an LRU cache that may drop them)."""
+        cos = getattr(self, "_rope_cos", None)
+        if cos is None or cos.device != device:
+            if self.config.rotary_interleaved:
+                raise ValueError("interleaved rotary embeddings are not supported")
+            emb = self.rotary_pos_emb(self.max_sequence_length).to(device)  # [max, 1, 1, rot]
+            angles = emb[:, 0, 0, : emb.shape[-1] // 2].float()  # emb = cat(angles, angles)
+            self.register_buffer("_rope_cos", angles.cos().contiguous(), persistent=False)
+            self.register_buffer("_rope_sin", angles.sin().contiguous(), persistent=False)
+        return self._rope_cos, self._rope_sin
 
     def output_weight_shard(self) -> torch.Tensor:
         """This rank's rows of the output projection, [padded_vocab / tp, hidden]."""
         if self.share_embeddings_and_output_weights:
             return self.shared_embedding_or_output_weight()
         return self.output_layer.weight
+
+
+class TeacherMLP(MLP):
+    """megatron's gated MLP with SwiGLU as one fused kernel on CUDA (consumer/kernels/
+    swiglu.py) instead of megatron's three strided elementwise passes; silu(gate) * up in
+    PyTorch elsewhere. Forward only: a teacher never trains."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):  # megatron's signature
+        if per_token_scale is not None:  # MoE experts only: megatron's own path
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        h, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            h = h + bias
+        return self.linear_fc2(swiglu(h))
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of fc1's output [..., 2 * ffn] = [gate | up]."""
+    if x.is_cuda:
+        try:
+            from consumer.kernels.swiglu import swiglu as fused
+        except ImportError:  # no Triton: PyTorch below
+            pass
+        else:
+            return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def transformer_config(
@@ -154,6 +202,7 @@ def build_model(
     )
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    layer_spec.submodules.mlp.module = TeacherMLP
     rope_kwargs = _rope_kwargs(spec)
     with torch.device("cpu"):
         model = TeacherGPTModel(

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from consumer import tp_ops
-from consumer.attention import DocumentBounds, TreeBounds
+from consumer.attention import TreeBounds
 from consumer.batching import BatchTensors
+from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
 from consumer.prefix import PackedTree, pack_tree
@@ -35,6 +36,7 @@ class Scorer:
     layout: ParallelLayout
     device: torch.device
     chunk_rows: int = 1024
+    graphs: GraphedForward | None = None  # CUDA graphs of recurring layouts (see graphs.py)
 
     @property
     def shard(self) -> tp_ops.VocabShard:
@@ -47,6 +49,8 @@ class Scorer:
 
     def offload(self) -> None:
         """Sleep: move the weights to host memory and release cached device memory."""
+        if self.graphs is not None:
+            self.graphs.clear()  # they read the weights where they are now
         self.model.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -64,6 +68,12 @@ class Scorer:
             raise ValueError(
                 "batch lengths do not add up to its tokens, or a job is shorter than 2"
             )
+        longest, most = int(batch.lengths_J.max()), self.model.max_sequence_length
+        if longest > most:
+            raise ValueError(
+                f"a job has {longest} tokens, more than the model's positions "
+                f"(max_position_embeddings={most})"
+            )
         for name, ids in (("input_ids", batch.input_ids_T), ("labels", batch.labels_RW)):
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
                 raise ValueError(f"{name} hold ids outside the vocabulary [0, {v})")
@@ -77,8 +87,8 @@ class Scorer:
         tree = self.layout_of(batch)
         hidden_PH = self.packed_hidden_states(tree)
         if not tree.shared:
-            return hidden_PH
-        return hidden_PH[tree.row_of_T.to(hidden_PH.device)]
+            return hidden_PH.clone() if self.graphs is not None else hidden_PH
+        return hidden_PH[tp_ops.to_device(tree.row_of_T, hidden_PH.device)]
 
     def layout_of(self, batch: BatchTensors) -> PackedTree:
         """The packed layout of a batch (raises ValueError if its prompt sharing is
@@ -89,22 +99,17 @@ class Scorer:
     def packed_hidden_states(
         self, tree: PackedTree, clock: PhaseClock | None = None
     ) -> torch.Tensor:
-        """Final hidden states [P, H] of the packed tokens (each shared prompt once)."""
+        """Final hidden states [P, H] of the packed tokens (each shared prompt once). With
+        CUDA graphs this may be a graph's output buffer, overwritten by the next forward."""
         clock = clock or PhaseClock()
         with clock.phase("h2d"):
-            ids = _to_device(tree.input_ids_P, self.device)
-            pos = _to_device(tree.position_P, self.device)
-            if tree.shared:
-                packed = TreeBounds.from_segments(
-                    tree.segments, max_position=max(tree.lengths) - 1, device=self.device
-                )
-            elif len(tree.lengths) > 1:
-                packed = DocumentBounds.from_lengths(list(tree.lengths), self.device)
-            else:
-                packed = None
+            ids = tp_ops.to_device(tree.input_ids_P, self.device)
+            pos = tp_ops.to_device(tree.position_P, self.device)
+            bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
         with clock.phase("forward"):
-            hidden = self.model(ids[None], pos[None], attention_mask=None, packed_seq_params=packed)
-        return hidden.reshape(ids.shape[0], -1)
+            if self.graphs is not None:
+                return self.graphs(ids, pos, bounds)
+            return eager_forward(self.model, ids, pos, bounds)
 
     @torch.inference_mode()
     def score(
@@ -123,17 +128,19 @@ class Scorer:
         with clock.phase("head"):
             for jobs in _output_groups(batch):
                 plan = _head_rows(batch, rows, jobs)
+                # Row inputs stay on the host: the head checks them there and copies them
+                # over without waiting for the forward (no device sync before the head).
                 out = tp_ops.chunked_head(
-                    hidden_TH=hidden_PH[plan.packed_row_U.to(hidden_PH.device)],
+                    hidden_TH=hidden_PH[tp_ops.to_device(plan.packed_row_U, hidden_PH.device)],
                     weight_VH=self.model.output_weight_shard(),
                     shard=self.shard,
                     tp_group=self.layout.tp_group,
-                    target_ids_TW=plan.targets_UW.to(self.device),
-                    inv_temperature_T=plan.inv_temperature_U.to(self.device),
+                    target_ids_TW=plan.targets_UW,
+                    inv_temperature_T=plan.inv_temperature_U,
                     top_k=int(batch.top_k_J[jobs].max()),
                     sample_n=int(batch.sample_n_J[jobs].max()),
-                    seed_T=plan.seed_U.to(self.device),
-                    position_T=plan.position_U.to(self.device),
+                    seed_T=plan.seed_U,
+                    position_T=plan.position_U,
                     want_entropy=bool(batch.entropy_J[jobs].any()),
                     chunk_rows=self.chunk_rows,
                 )
@@ -144,13 +151,6 @@ class Scorer:
                 for j, arrays in zip(jobs, _split_per_job(out, batch, jobs, plan), strict=True):
                     results[j] = arrays
         return results
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device copy; through pinned memory on CUDA so the copy is truly asynchronous."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def _output_groups(batch: BatchTensors) -> list[list[int]]:

@@ -8,6 +8,7 @@ import torch
 from consumer import cpu_compat
 from consumer.batching import batch_from_jobs, broadcast_text
 from consumer.faults import FaultInjector
+from consumer.graphs import GraphedForward
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.scoring import Scorer
@@ -54,8 +55,19 @@ def build_scorer(
         layout=layout,
         device=device,
         chunk_rows=settings.consumer.head_chunk_rows,
+        graphs=graphed_forward(model, settings, layout, device),
     )
     return scorer, version
+
+
+def graphed_forward(
+    model: torch.nn.Module, settings: Settings, layout: ParallelLayout, device: torch.device
+) -> GraphedForward | None:
+    """CUDA graphs for the forward where they apply (see consumer/graphs.py)."""
+    graphs = settings.consumer.cuda_graphs
+    if device.type != "cuda" or layout.tp != 1 or graphs == 0:
+        return None
+    return GraphedForward(model, max_graphs=graphs)
 
 
 def last_control_id(client, queue: str) -> str:

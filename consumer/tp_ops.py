@@ -318,8 +318,7 @@ def _check_inputs(
             f"inv_temperature_T must be a float tensor of shape [{rows}], got "
             f"{inv_temperature_T.dtype} {tuple(inv_temperature_T.shape)}"
         )
-    if inv_temperature_T.device != device:
-        raise ValueError(f"inv_temperature_T is on {inv_temperature_T.device}, logits on {device}")
+    _check_device("inv_temperature_T", inv_temperature_T, device)
     inv32 = inv_temperature_T.float()
     if rows and not bool((torch.isfinite(inv32) & (inv32 > 0)).all()):
         raise ValueError(
@@ -335,8 +334,7 @@ def _check_inputs(
             )
         if target_ids_TW.shape[0] != rows:
             raise ValueError(f"target_ids_TW has {target_ids_TW.shape[0]} rows, logits {rows}")
-        if target_ids_TW.device != device:
-            raise ValueError(f"target_ids_TW is on {target_ids_TW.device}, logits on {device}")
+        _check_device("target_ids_TW", target_ids_TW, device)
         if target_ids_TW.numel():
             lo, hi = int(target_ids_TW.min()), int(target_ids_TW.max())
             if lo < 0 or hi >= shard.vocab_size:
@@ -354,8 +352,22 @@ def _check_inputs(
                     f"{name} must be an int64 tensor of shape [{rows}], got {ten.dtype} "
                     f"{tuple(ten.shape)}"
                 )
-            if ten.device != device:
-                raise ValueError(f"{name} is on {ten.device}, logits on {device}")
+            _check_device(name, ten, device)
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device and t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, logits on {device} (or pass it on the CPU)")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; from the host to CUDA through pinned memory, so the copy does not wait
+    for work already queued on the device (a plain `.to` would sync)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _auto_chunk_rows(chunk_rows: int | None, width: int) -> int:
@@ -718,6 +730,10 @@ def _run_chunks(
         seed_T=seed_T,
         position_T=position_T,
     )
+    inv_temperature_T = to_device(inv_temperature_T, device)
+    target_ids_TW, seed_T, position_T = (
+        None if t is None else to_device(t, device) for t in (target_ids_TW, seed_T, position_T)
+    )
     fused = _fused_backend(device) if allow_fused else None
     if fused is not None and chunk_rows is None:
         # The kernels keep no fp32 [R, V] scratch, so the default chunk can be larger.
@@ -836,6 +852,9 @@ def head_from_logits(
     sample_n: N; seed_T, position_T (int64 [T]) key the samples (see sampling_hash).
     want_entropy: also return the entropy of the tempered distribution.
     comm: optional CommStats that records the collectives.
+    The per-row inputs may live on the logits' device or on the CPU. On the CPU their values
+    are checked without a device sync and then copied over asynchronously, so a caller that
+    keeps them on the host lets the device run ahead.
 
     Raises ValueError on inconsistent arguments, and on rows whose logits hold NaN or +inf.
     """

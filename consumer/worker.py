@@ -136,8 +136,8 @@ def score_agreed(
     Also returns every rank's phase offsets (`PhaseClock.offsets(PHASES)`), by TP rank.
     """
     group, device = scorer.layout.tp_group, scorer.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    clock = PhaseClock(sync=sync)  # starts as the broadcast returns, on every rank
+    marks = cuda_marks(device) if device.type == "cuda" else None
+    clock = PhaseClock(device_mark=marks)  # starts as the broadcast returns, on every rank
     error: BaseException | None = None
     try:
         with clock.phase("check"):
@@ -155,6 +155,26 @@ def score_agreed(
     if not _agree(error is None, group, device):
         raise GroupFailure(_describe(error, "a peer rank failed scoring the batch")) from error
     return outputs, _gather_phases(clock, group, device)
+
+
+def cuda_marks(device: torch.device) -> Callable[[], Callable[[], float]]:
+    """A `PhaseClock.device_mark` for CUDA: events on the current stream, timed against one
+    recorded as the clock starts (between batches the device is idle, so that event completes
+    at once; were it still busy, phases would read late, never early)."""
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(device))
+
+    def mark() -> Callable[[], float]:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+
+        def seconds() -> float:
+            event.synchronize()
+            return start.elapsed_time(event) / 1e3
+
+        return seconds
+
+    return mark
 
 
 def _gather_phases(

@@ -479,14 +479,28 @@ class PhaseClock:
     offsets in seconds from the clock's creation, for `attach_phases` — also on ranks that
     record no spans themselves: their offsets travel to the leader in a small collective.
 
-    `sync` (e.g. torch.cuda.synchronize) runs at the end of each phase so asynchronous device
-    work is charged to the phase that queued it; leave it None on CPU.
+    Device work is asynchronous: the host leaves a phase as soon as the work is queued. Give
+    `device_mark` (e.g. `consumer.worker.cuda_marks`) to charge each phase until its device
+    work is done: called at the end of each phase it marks the device's queue and returns a
+    callable that later resolves to the moment, in seconds from the clock's creation, the
+    device got there. Marks are read only in `offsets`, so the clock never makes the host wait
+    for the device; a phase then ends at the later of its host end and its device end.
     """
 
-    def __init__(self, *, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, *, device_mark: Callable[[], Callable[[], float]] | None = None) -> None:
         self._t0 = time.perf_counter()
-        self._sync = sync
-        self.phases: dict[str, tuple[float, float]] = {}
+        self._mark = device_mark
+        self._host: dict[str, tuple[float, float]] = {}
+        self._device_end: dict[str, Callable[[], float]] = {}
+
+    @property
+    def phases(self) -> dict[str, tuple[float, float]]:
+        """name -> (start, end) in seconds from the clock's creation (resolves device marks)."""
+        out = {}
+        for name, (start, end) in self._host.items():
+            resolve = self._device_end.get(name)
+            out[name] = (start, max(end, resolve()) if resolve else end)
+        return out
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -496,18 +510,19 @@ class PhaseClock:
         try:
             yield
         finally:
-            if self._sync is not None:
-                self._sync()
+            if self._mark is not None:
+                self._device_end[name] = self._mark()
             end = time.perf_counter() - self._t0
-            first = self.phases.get(name)
-            self.phases[name] = (first[0] if first else start, end)
+            first = self._host.get(name)
+            self._host[name] = (first[0] if first else start, end)
 
     def offsets(self, names: Sequence[str]) -> list[float]:
         """[start, end] per name, flattened, in the order given (0, 0 for a phase that did not
         run): a fixed-size vector every rank can all-gather."""
+        phases = self.phases
         flat: list[float] = []
         for name in names:
-            flat += list(self.phases.get(name, (0.0, 0.0)))
+            flat += list(phases.get(name, (0.0, 0.0)))
         return flat
 
 

@@ -245,7 +245,6 @@ def test_cli_submit_and_results(settings, start_consumer, tmp_path) -> None:
     assert out.returncode == 2 and "temperature must be a finite number > 0" in out.stderr
 
 
-
 def test_pending_tokens_count_submitted_minus_acknowledged(settings, start_consumer) -> None:
     client = TeacherClient(settings)
     ids = client.submit([TeacherRequest(input_ids=list(range(n))) for n in (5, 7, 11)])

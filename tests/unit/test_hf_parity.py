@@ -51,13 +51,13 @@ def _token_ids(n: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def _local_logits(model, ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
     """[tokens, padded_vocab / tp] float64 logits of this rank's vocab shard."""
-    from consumer.attention import DocumentBounds
+    from consumer.attention import TreeBounds
 
     if lengths is None:
         hidden = model(ids, torch.arange(ids.shape[1])[None], attention_mask=None)
     else:
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        bounds = DocumentBounds.from_lengths(lengths, ids.device)
+        bounds = TreeBounds.documents(lengths)
         hidden = model(ids, positions, attention_mask=None, packed_seq_params=bounds)
     return hidden[:, 0].double() @ model.output_weight_shard().double().T
 

@@ -275,8 +275,15 @@ def test_record_clamps_an_end_before_its_start(records) -> None:
 
 def test_phase_clock_offsets_and_attached_rank_spans(records) -> None:
     names = ["h2d", "forward", "head", "d2h"]
-    syncs: list[int] = []
-    clock = PhaseClock(sync=lambda: syncs.append(1))
+    marks: list[str] = []
+
+    def device_mark():  # a device that finishes each phase's work 0.05 s after the host
+        marks.append("queued")
+        done = time.perf_counter() - t0 + 0.05
+        return lambda: (marks.append("read"), done)[1]
+
+    t0 = time.perf_counter()
+    clock = PhaseClock(device_mark=device_mark)
     with clock.phase("h2d"):
         time.sleep(0.002)
     with clock.phase("forward"):
@@ -284,10 +291,18 @@ def test_phase_clock_offsets_and_attached_rank_spans(records) -> None:
     for _ in range(2):  # a chunked head is one phase
         with clock.phase("head"):
             time.sleep(0.002)
+    assert marks == ["queued"] * 4  # marks are read only when the offsets are
     flat = clock.offsets(names)
     assert len(flat) == 8 and flat[6:] == [0.0, 0.0]  # d2h never ran
-    assert flat[0] < flat[1] <= flat[2] < flat[3] <= flat[4] < flat[5]
-    assert flat[5] - flat[4] >= 0.004 and len(syncs) == 4
+    assert marks.count("read") == 3  # one per phase name, the head's last chunk
+    assert flat[0] < flat[2] < flat[4] and flat[1] < flat[3] < flat[5]
+    # Each phase ends when its device work does (the host left it 0.05 s earlier).
+    assert flat[1] - flat[0] >= 0.05 and flat[5] - flat[4] >= 0.05
+    host_only = PhaseClock()
+    with host_only.phase("h2d"):
+        time.sleep(0.002)
+    start, end = host_only.offsets(["h2d"])
+    assert end - start >= 0.002  # no device: the host's own times
 
     with span("batch", batch_id="b") as b:
         time.sleep(0.012)
