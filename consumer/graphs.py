@@ -31,6 +31,7 @@ from consumer.attention import TreeBounds
 log = structlog.get_logger("teacherq.consumer")
 
 Layout = tuple[tuple[tuple[int, int, int, int], ...], int]  # (segments, max_position)
+SEEN_LAYOUTS = 4096  # layouts remembered for their sightings (most recent), graphed or not
 
 
 def eager_forward(
@@ -58,7 +59,7 @@ class GraphedForward:
         self.min_sightings = min_sightings
         self.enabled = max_graphs > 0
         self._graphs: OrderedDict[Layout, _Graph] = OrderedDict()
-        self._seen: dict[Layout, int] = {}
+        self._seen: OrderedDict[Layout, int] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.replays = 0
         self.captures = 0
@@ -72,6 +73,9 @@ class GraphedForward:
         graph = self._graphs.get(key) if self.enabled else None
         if graph is None:
             seen = self._seen[key] = self._seen.get(key, 0) + 1
+            self._seen.move_to_end(key)
+            if len(self._seen) > SEEN_LAYOUTS:  # batches of ever new layouts: forget the oldest
+                self._seen.popitem(last=False)
             if not self.enabled or seen < self.min_sightings:
                 return eager_forward(self.model, ids_P, position_P, bounds)
             graph = self._capture(key, ids_P, position_P, bounds)

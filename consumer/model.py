@@ -85,24 +85,29 @@ class TeacherGPTModel(GPTModel):
             # explicit position ids, gathered here once per forward from tables computed by the
             # model's own rotary module (scaling included); megatron gets no rotary embedding.
             positions = kwargs["position_ids"].reshape(-1)
-            cos, sin = self.rope_tables(positions.device)
+            cos, sin = self.rope_tables(positions.device, params.max_seqlen_q)
             params.rope = (cos[positions], sin[positions])
             out = (out[0], None, *out[2:])
         return out
 
-    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the rotary angles of every position below max_sequence_length,
-        [max, rot_dim / 2] fp32 each.
+    def rope_tables(
+        self, device: torch.device, positions: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles of positions 0 .. n - 1, [n, rot_dim / 2] fp32 each,
+        n = max_sequence_length or, for longer inputs, the next power of two >= `positions`.
 
-        Computed once and kept as non-persistent buffers, so they move with the model and
-        keep one address: a CUDA graph of the forward reads them there (megatron's own tables
-        live in an LRU cache that may drop them)."""
+        Computed by the model's own rotary module (scaling included) and kept as non-persistent
+        buffers, so they move with the model and keep one address until they must grow: a CUDA
+        graph of the forward reads them there (megatron's own tables live in an LRU cache that
+        may drop them). Whoever holds graphs compares the tables before and after a call that
+        may grow them (see Scorer)."""
         cos = getattr(self, "_rope_cos", None)
-        if cos is None or cos.device != device:
+        if cos is None or cos.device != device or cos.shape[0] < positions:
             if self.config.rotary_interleaved:
                 raise ValueError("interleaved rotary embeddings are not supported")
-            emb = self.rotary_pos_emb(self.max_sequence_length).to(device)  # [max, 1, 1, rot]
-            angles = emb[:, 0, 0, : emb.shape[-1] // 2].float()  # emb = cat(angles, angles)
+            n = max(self.max_sequence_length, 1 << max(positions - 1, 0).bit_length())
+            emb = self.rotary_pos_emb(n).to(device)  # [n, 1, 1, rot], cat(angles, angles)
+            angles = emb[:, 0, 0, : emb.shape[-1] // 2].float()
             self.register_buffer("_rope_cos", angles.cos().contiguous(), persistent=False)
             self.register_buffer("_rope_sin", angles.sin().contiguous(), persistent=False)
         return self._rope_cos, self._rope_sin

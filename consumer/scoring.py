@@ -68,12 +68,6 @@ class Scorer:
             raise ValueError(
                 "batch lengths do not add up to its tokens, or a job is shorter than 2"
             )
-        longest, most = int(batch.lengths_J.max()), self.model.max_sequence_length
-        if longest > most:
-            raise ValueError(
-                f"a job has {longest} tokens, more than the model's positions "
-                f"(max_position_embeddings={most})"
-            )
         for name, ids in (("input_ids", batch.input_ids_T), ("labels", batch.labels_RW)):
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v):
                 raise ValueError(f"{name} hold ids outside the vocabulary [0, {v})")
@@ -106,6 +100,11 @@ class Scorer:
             ids = tp_ops.to_device(tree.input_ids_P, self.device)
             pos = tp_ops.to_device(tree.position_P, self.device)
             bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
+            if self.graphs is not None:
+                # Graphs read the rotary tables where they are: grown, they move.
+                before = self.model.rope_tables(self.device)[0]
+                if self.model.rope_tables(self.device, bounds.max_seqlen_q)[0] is not before:
+                    self.graphs.clear()
         with clock.phase("forward"):
             if self.graphs is not None:
                 return self.graphs(ids, pos, bounds)

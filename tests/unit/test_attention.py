@@ -70,3 +70,27 @@ def test_documents_restart_positions_through_one_sequence_for_rope() -> None:
     assert bounds.segments == ((0, 3, 0, 0), (3, 8, 3, 3), (8, 10, 8, 8))
     assert bounds.cu_seqlens_q.tolist() == [0, 10] and bounds.cu_seqlens_q.device.type == "cpu"
     assert bounds.max_seqlen_q == 5
+
+
+def test_documents_longer_than_the_configured_positions_match_megatrons_own_rope(layout) -> None:
+    """Packed forwards rotate q and k in SdpaCoreAttention from the model's own tables, which
+    grow past max_position_embeddings when a job is longer; megatron's unpacked path (its own
+    RoPE) is the reference."""
+    import dataclasses
+
+    from consumer.model import TINY, build_model
+
+    spec = dataclasses.replace(TINY, max_position_embeddings=64)
+    model = build_model(spec, layout)
+    ids = torch.randint(0, spec.vocab_size, (1, 100), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(100)[None]
+    with torch.no_grad():
+        reference = model(ids, positions, attention_mask=None)[:, 0]
+        packed = model(ids, positions, attention_mask=None,
+                       packed_seq_params=TreeBounds.documents([100]))[:, 0]  # fmt: skip
+        assert model.rope_tables(torch.device("cpu"))[0].shape[0] == 128  # grown
+        two = model(ids.repeat(1, 2), positions.repeat(1, 2), attention_mask=None,
+                    packed_seq_params=TreeBounds.documents([100, 100]))[:, 0]  # fmt: skip
+    torch.testing.assert_close(packed, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(two[:100], reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(two[100:], reference, atol=1e-5, rtol=1e-5)
