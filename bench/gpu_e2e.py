@@ -229,7 +229,8 @@ def hf_child(args: argparse.Namespace) -> None:
 # (c): the consumer process
 # --------------------------------------------------------------------------------------------
 
-SPANS: list[list[float]] = []  # [start, end, tokens] of every Scorer.score call while serving
+SPANS: list[list[float]] = []  # [start, end, tokens] of every batch while serving
+DEVICE_SPANS: list = []  # CUDA: (start event, end event, tokens) of every batch while serving
 
 
 def _randomize(model, seed: int) -> None:
@@ -457,24 +458,65 @@ def consumer_child(args: argparse.Namespace) -> int:
         cuda = torch.cuda.is_available() and settings.consumer.device != "cpu"
         report["serve_peak_gib"] = _gib(torch.cuda.max_memory_allocated() if cuda else None)
         report["serve_peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved() if cuda else None)
-        report["spans"] = SPANS
+        report["spans"] = _device_spans() if DEVICE_SPANS else SPANS
         Path(args.out).write_text(json.dumps(report))
 
 
 def _instrument_scoring() -> None:
-    """Record when every Scorer.score call starts and ends (host clock), for idle time."""
-    from consumer.scoring import Scorer
+    """Record when the device worked on each batch while serving, for idle time.
 
-    original = Scorer.score
+    On CUDA: an event queued before a batch's work (Scorer.launch) and one after it; the
+    device reaches the first when it starts the batch (or finishes the one before) and the
+    second when the batch is done, so their union over batches is the device's busy time even
+    though the consumer queues a batch before collecting the previous one. Elsewhere: host
+    times from launch to collection (PendingScore.result)."""
+    import torch
 
-    def score(self, batch, clock=None):
+    from consumer.scoring import PendingScore, Scorer
+
+    launch, result = Scorer.launch, PendingScore.result
+    started: dict[int, float] = {}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record()
+        torch.cuda.synchronize()
+        DEVICE_SPANS.append((ref, time.time()))  # the reference: its event and host time
+
+    def launch_timed(self, batch, clock=None):
         t0 = time.time()
-        try:
-            return original(self, batch, clock)
-        finally:
-            SPANS.append([t0, time.time(), int(batch.num_tokens)])
+        if self.device.type == "cuda":
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
+        pending = launch(self, batch, clock)
+        if self.device.type == "cuda":
+            after = torch.cuda.Event(enable_timing=True)
+            after.record()
+            DEVICE_SPANS.append((before, after, int(batch.num_tokens)))
+        started[id(pending)] = t0
+        return pending
 
-    Scorer.score = score
+    def result_timed(self):
+        try:
+            return result(self)
+        finally:
+            SPANS.append([started.pop(id(self), time.time()), time.time(),
+                          int(self.batch.num_tokens)])  # fmt: skip
+
+    Scorer.launch = launch_timed
+    PendingScore.result = result_timed
+
+
+def _device_spans() -> list[list[float]]:
+    """DEVICE_SPANS as [start, end, tokens] on the host clock."""
+    import torch
+
+    torch.cuda.synchronize()
+    (ref, t_ref), batches = DEVICE_SPANS[0], DEVICE_SPANS[1:]
+    return [
+        [t_ref + ref.elapsed_time(a) / 1e3, t_ref + ref.elapsed_time(b) / 1e3, tokens]
+        for a, b, tokens in batches
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,16 +565,20 @@ def _submit_and_wait(client, reqs: list, timeout: float) -> tuple[float, float, 
 
 
 def _serve_window(spans: list, t0: float, t1: float) -> dict:
-    inside = [s for s in spans if s[0] >= t0 and s[1] <= t1]
+    inside = sorted(s for s in spans if s[0] >= t0 and s[1] <= t1)
     if not inside:
         return {}
-    busy = sum(e - s for s, e, _ in inside)
+    # Batches overlap (one is queued while the previous is collected): busy is their union.
+    busy, end = 0.0, float("-inf")
+    for s, e, _ in inside:
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
     first, last = min(s for s, _, _ in inside), max(e for _, e, _ in inside)
     return {
         "batches": len(inside),
         "busy_s": round(busy, 4),
         # Device idle between batches: time from the first batch's start to the last batch's
-        # end during which no Scorer.score call ran.
+        # end during which no batch was between launch and collection.
         "idle_between_batches": round(1 - busy / (last - first), 4),
         # Everything that is not scoring in the client's view: submit, queue, store, wait.
         "idle_end_to_end": round(1 - busy / (t1 - t0), 4),

@@ -12,6 +12,7 @@ rows it would get scored alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,8 +103,8 @@ class Scorer:
             bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
             if self.graphs is not None:
                 # Graphs read the rotary tables where they are: grown, they move.
-                before = self.model.rope_tables(self.device)[0]
-                if self.model.rope_tables(self.device, bounds.max_seqlen_q)[0] is not before:
+                before = self.model.rope_tables(ids.device)[0]
+                if self.model.rope_tables(ids.device, bounds.max_seqlen_q)[0] is not before:
                     self.graphs.clear()
         with clock.phase("forward"):
             if self.graphs is not None:
@@ -117,6 +118,13 @@ class Scorer:
         """Every requested output for every job of the batch, as numpy arrays per job.
 
         `clock` times the phases h2d, forward, head and d2h (for the batch's trace)."""
+        return self.launch(batch, clock).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: BatchTensors, clock: PhaseClock | None = None) -> PendingScore:
+        """Queue a batch's forward, head and copies back to the host, without waiting for the
+        device (at TP = 1; with a TP group the head completes first): the caller can prepare,
+        or even queue, the next batch before `result()` collects this one."""
         clock = clock or PhaseClock()
         tree = self.layout_of(batch)
         hidden_PH = self.packed_hidden_states(tree, clock)
@@ -128,8 +136,10 @@ class Scorer:
             for jobs in _output_groups(batch):
                 plan = _head_rows(batch, rows, jobs)
                 # Row inputs stay on the host: the head checks them there and copies them
-                # over without waiting for the forward (no device sync before the head).
-                out = tp_ops.chunked_head(
+                # over without waiting for the forward (no device sync before the head). The
+                # rows' hidden states are gathered into a tensor of this pass's own, which a
+                # CUDA graph replayed for the next batch does not overwrite.
+                pending = tp_ops.chunked_head(
                     hidden_TH=hidden_PH[tp_ops.to_device(plan.packed_row_U, hidden_PH.device)],
                     weight_VH=self.model.output_weight_shard(),
                     shard=self.shard,
@@ -142,12 +152,62 @@ class Scorer:
                     position_T=plan.position_U,
                     want_entropy=bool(batch.entropy_J[jobs].any()),
                     chunk_rows=self.chunk_rows,
+                    deferred=True,
                 )
-                passes.append((jobs, plan, out))
-        results: list[dict[str, np.ndarray]] = [{} for _ in range(batch.num_jobs)]
-        with clock.phase("d2h"):
-            for jobs, plan, out in passes:
-                for j, arrays in zip(jobs, _split_per_job(out, batch, jobs, plan), strict=True):
+                passes.append(_Pass(jobs, plan, pending, _host(pending.out, wait=False)))
+        done = None
+        if self.device.type == "cuda":  # after every pass's copies to the host
+            done = torch.cuda.Event()
+            done.record()
+        return PendingScore(batch, clock, passes, done)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    jobs: list[int]
+    plan: _HeadPlan
+    pending: tp_ops.PendingHead
+    host: tp_ops.HeadOutputs  # pending.out's host copies, complete once the batch's event is
+
+
+def _host(out: tp_ops.HeadOutputs, *, wait: bool) -> tp_ops.HeadOutputs:
+    """Host copies of head outputs: from CUDA, queued into pinned memory (`wait`=False: valid
+    once the device got there) or copied now; on the CPU, the tensors themselves."""
+    if out.target_logprobs_TW.device.type != "cuda":
+        return out
+    return tp_ops.HeadOutputs(
+        **{
+            f.name: None if t is None else t.to("cpu", non_blocking=not wait)
+            for f in dataclasses.fields(out)
+            for t in [getattr(out, f.name)]
+        }
+    )
+
+
+@dataclass(frozen=True)
+class PendingScore:
+    """A batch queued on the device by `Scorer.launch`."""
+
+    batch: BatchTensors
+    clock: PhaseClock
+    passes: list[_Pass]
+    done: torch.cuda.Event | None  # recorded after the last copy to the host (CUDA)
+
+    @torch.inference_mode()
+    def result(self) -> list[dict[str, np.ndarray]]:
+        """Every requested output for every job, as numpy arrays per job (waits for the
+        device; raises ValueError on rows with unusable logits, as `Scorer.score`)."""
+        results: list[dict[str, np.ndarray]] = [{} for _ in range(self.batch.num_jobs)]
+        # Host work: a device mark here would queue behind batches launched since.
+        with self.clock.phase("d2h", on_device=False):
+            if self.done is not None:
+                self.done.synchronize()
+            for p in self.passes:
+                out = p.pending.result()  # checks the rows (redone on the reference path, rarely)
+                host = p.host if out is p.pending.out else _host(out, wait=True)
+                for j, arrays in zip(
+                    p.jobs, _split_per_job(host, self.batch, p.jobs, p.plan), strict=True
+                ):
                     results[j] = arrays
         return results
 

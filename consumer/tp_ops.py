@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -714,7 +714,8 @@ def _run_chunks(
     chunk_rows: int | None,
     comm: CommStats | None,
     allow_fused: bool = True,
-) -> HeadOutputs:
+    deferred: bool = False,
+) -> Any:  # HeadOutputs, or PendingHead when deferred
     rank, tp_size = _group_layout(tp_group)
     _check_inputs(
         rows=rows,
@@ -784,44 +785,81 @@ def _run_chunks(
         if over_T is not None and over_R is not None:
             over_T[r0:r1] = over_R
 
-    if over_T is not None:
-        # One host sync for both checks. A row the kernels could not finish (a huge tie at the
-        # top-k threshold) may sit on any rank, so the ranks agree before all of them redo the
-        # call on the reference path, collectives included.
-        flags = torch.stack([bad_T.any(), over_T.any()]).to(torch.int32)
-        if tp_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=tp_group)
-        any_bad, any_over = flags.tolist()
-        if any_over:
-            return _run_chunks(
-                rows=rows,
-                width=width,
-                device=device,
-                logits_chunk=logits_chunk,
-                shard=shard,
-                tp_group=tp_group,
-                target_ids_TW=target_ids_TW,
-                inv_temperature_T=inv_temperature_T,
-                top_k=top_k,
-                sample_n=sample_n,
-                seed_T=seed_T,
-                position_T=position_T,
-                want_entropy=want_entropy,
-                chunk_rows=chunk_rows,
-                comm=comm,
-                allow_fused=False,
-            )
-        if not any_bad:
-            return out
+    def on_reference_path() -> HeadOutputs:
+        return _run_chunks(
+            rows=rows,
+            width=width,
+            device=device,
+            logits_chunk=logits_chunk,
+            shard=shard,
+            tp_group=tp_group,
+            target_ids_TW=target_ids_TW,
+            inv_temperature_T=inv_temperature_T,
+            top_k=top_k,
+            sample_n=sample_n,
+            seed_T=seed_T,
+            position_T=position_T,
+            want_entropy=want_entropy,
+            chunk_rows=chunk_rows,
+            comm=comm,
+            allow_fused=False,
+        )
 
-    # Every rank merged the same gathered data, so every rank raises (or not) together.
-    if bool(bad_T.any()):
+    # Both checks in one host read. A row the kernels could not finish (a huge tie at the top-k
+    # threshold) may sit on any rank, so the ranks agree before all of them redo the call on the
+    # reference path, collectives included. Without the kernels every rank merged the same
+    # gathered data, so every rank raises (or not) together.
+    over = over_T.any() if over_T is not None else torch.zeros((), dtype=torch.bool, device=device)
+    flags = torch.stack([bad_T.any(), over]).to(torch.int32)
+    if over_T is not None and tp_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=tp_group)
+    if not deferred or tp_size > 1:
+        settled = _settled(out, bad_T, flags, None, on_reference_path)
+        return PendingHead(settled, lambda: settled) if deferred else settled
+    done = None
+    if device.type == "cuda":
+        flags = flags.to("cpu", non_blocking=True)  # pinned: lands when `done` does
+        done = torch.cuda.Event()
+        done.record()
+    return PendingHead(out, lambda: _settled(out, bad_T, flags, done, on_reference_path))
+
+
+def _settled(
+    out: HeadOutputs,
+    bad_T: torch.Tensor,
+    flags: torch.Tensor,
+    done: torch.cuda.Event | None,
+    on_reference_path: Callable[[], HeadOutputs],
+) -> HeadOutputs:
+    if done is not None:
+        done.synchronize()
+    any_bad, any_over = flags.tolist()
+    if any_over:
+        return on_reference_path()
+    if any_bad:
         bad_rows = bad_T.nonzero().squeeze(1)
         raise ValueError(
             f"{bad_rows.numel()} rows have NaN or +inf logits, or no finite logit; first rows "
             f"{bad_rows[:8].tolist()}"
         )
     return out
+
+
+@dataclass(frozen=True)
+class PendingHead:
+    """Head outputs the device may still be computing (`chunked_head(..., deferred=True)`).
+
+    `out` holds the output tensors (read them only after `result()`, or in stream order on the
+    device); `result()` waits for the device, checks every row, and returns `out`, or the
+    outputs of the call redone on the reference path where the kernels could not finish a row.
+    Raises ValueError as the call itself would have."""
+
+    out: HeadOutputs
+    _settle: Callable[[], HeadOutputs]
+
+    def result(self) -> HeadOutputs:
+        """The checked outputs (waits for the device)."""
+        return self._settle()
 
 
 @torch.no_grad()
@@ -897,12 +935,17 @@ def chunked_head(
     want_entropy: bool,
     chunk_rows: int | None = None,
     comm: CommStats | None = None,
-) -> HeadOutputs:
+    deferred: bool = False,
+) -> Any:  # HeadOutputs; PendingHead when deferred
     """Like head_from_logits, producing each chunk's logits as hidden_chunk @ weight_VH.T.
 
     hidden_TH: [T, H] final hidden states (replicated on the TP group); weight_VH: this rank's
     [shard.size, H] output-layer shard, same dtype. The matmul runs in that dtype and only one
     chunk of logits exists at a time, so the full [T, V] logits are never materialised.
+
+    deferred: return a PendingHead as soon as the work is queued on the device, without
+    waiting for it (at TP = 1; with a TP group the call completes first, as its checks need
+    the group). The caller may queue more work before `result()`.
     """
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(
@@ -933,4 +976,5 @@ def chunked_head(
         want_entropy=want_entropy,
         chunk_rows=chunk_rows,
         comm=comm,
+        deferred=deferred,
     )

@@ -51,7 +51,7 @@ from consumer.heartbeat import Heartbeat
 from consumer.metrics import ConsumerMetrics
 from consumer.prefix import plan_shared_microbatches
 from consumer.preflight import check_redis
-from consumer.scoring import Scorer
+from consumer.scoring import PendingScore, Scorer
 from consumer.writer import ResultWriter, WriteTask
 from shared import keys, weights
 from shared.errors import InvalidJob
@@ -60,7 +60,16 @@ from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
 from shared.settings import Settings
 from shared.storage import ObjectStore
 from shared.streams import Streams
-from shared.tracing import PhaseClock, Span, attach_phases, new_id, now, record, span
+from shared.tracing import (
+    PhaseClock,
+    Span,
+    attach_phases,
+    end_span,
+    new_id,
+    now,
+    record,
+    start_span,
+)
 
 log = structlog.get_logger("teacherq.consumer")
 
@@ -135,6 +144,15 @@ def score_agreed(
 
     Also returns every rank's phase offsets (`PhaseClock.offsets(PHASES)`), by TP rank.
     """
+    return launch_agreed(scorer, batch, faults)()
+
+
+def launch_agreed(
+    scorer: Scorer, batch: BatchTensors, faults: FaultInjector
+) -> Callable[[], tuple[list[dict], list[list[float]]]]:
+    """`score_agreed` in two steps: check, agree and queue the batch on the device now; the
+    returned call waits for the outputs and agrees on them (raising GroupFailure then). Every
+    rank of a group calls both steps in the same order."""
     group, device = scorer.layout.tp_group, scorer.device
     marks = cuda_marks(device) if device.type == "cuda" else None
     clock = PhaseClock(device_mark=marks)  # starts as the broadcast returns, on every rank
@@ -147,14 +165,26 @@ def score_agreed(
         error = exc
     if not _agree(error is None, group, device):
         raise GroupFailure(_describe(error, "a peer rank failed checking the batch")) from error
-    outputs: list[dict] = []
+    pending: PendingScore | None = None
     try:
-        outputs = scorer.score(batch, clock)
-    except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
+        pending = scorer.launch(batch, clock)
+    except Exception as exc:  # noqa: BLE001 - reported to the group when finishing
         error = exc
-    if not _agree(error is None, group, device):
-        raise GroupFailure(_describe(error, "a peer rank failed scoring the batch")) from error
-    return outputs, _gather_phases(clock, group, device)
+
+    def finish() -> tuple[list[dict], list[list[float]]]:
+        failure, outputs = error, []
+        if pending is not None:
+            try:
+                outputs = pending.result()
+            except Exception as exc:  # noqa: BLE001 - reported to the group, re-raised below
+                failure = exc
+        if not _agree(failure is None, group, device):
+            raise GroupFailure(_describe(failure, "a peer rank failed scoring the batch")) from (
+                failure
+            )
+        return outputs, _gather_phases(clock, group, device)
+
+    return finish
 
 
 def cuda_marks(device: torch.device) -> Callable[[], Callable[[], float]]:
@@ -181,9 +211,9 @@ def _gather_phases(
     clock: PhaseClock, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[list[float]]:
     """Every rank's phase offsets, by TP rank (one all-gather of 10 numbers per rank)."""
+    if group is None:  # nothing to gather: and no device copy, which would wait for the device
+        return [clock.offsets(PHASES)]
     mine = torch.tensor(clock.offsets(PHASES), dtype=torch.float64, device=device)
-    if group is None:
-        return [mine.tolist()]
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
     return [t.tolist() for t in out]
@@ -191,6 +221,22 @@ def _gather_phases(
 
 def _describe(error: BaseException | None, fallback: str) -> str:
     return f"{type(error).__name__}: {error}" if error else fallback
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch queued on the device, until its results are handed to the writers."""
+
+    jobs: list[Job]
+    batch_id: str
+    claimed_at: float
+    deliveries: dict[str, int]
+    batch: BatchTensors
+    span: Span
+    packed: float  # seconds from the span's start: packed, then broadcast
+    sent: float
+    t0: float  # perf_counter at launch
+    finish: Callable[[], tuple[list[dict], list[list[float]]]]
 
 
 class Leader:
@@ -269,6 +315,8 @@ class Leader:
         # When each claimed entry was read (span clock): set on the prefetch thread, popped
         # by the loop.
         self._read_times: dict[bytes, tuple[float, float]] = {}
+        self._inflight: _InFlight | None = None  # launched, not yet finished (TP = 1)
+        self._last_finish = 0.0
 
     def _describe(self) -> dict:
         c = self.counters
@@ -310,10 +358,19 @@ class Leader:
         )
         try:
             while True:
+                if self._inflight is not None and not fetcher.ahead:
+                    self._finish_inflight()  # claiming inline blocks: nothing may wait on it
                 t_wait = time.perf_counter()
-                entries = fetcher.get(timeout_s=self.c.block_ms / 1000)
+                # With a batch in flight, only take entries already claimed: if there are none,
+                # store that batch's results now rather than after a blocking read.
+                wait_s = 0.0 if self._inflight is not None else self.c.block_ms / 1000
+                entries = fetcher.get(timeout_s=wait_s)
                 if entries is None:  # stopped and nothing left in hand
+                    self._finish_inflight()
                     break
+                if not entries and self._inflight is not None:
+                    self._finish_inflight()
+                    continue
                 if entries:
                     # Idle = waiting for entries that were already there (the prefetcher was
                     # behind) + everything in processing that is not scoring (decode, checks,
@@ -448,9 +505,13 @@ class Leader:
         )
         for group in groups + [[j] for j in suspects]:
             counts = {j.entry_id: deliveries.get(j.entry_id.encode(), 1) for j in group}
+            if group[0] in suspects:  # alone on the device too, with nothing else in flight
+                self._finish_inflight()
             # One id per micro-batch: each has its own trace.
             self._score_and_store(group, batch_id=new_id(), claimed_at=claimed_at,
                                   deliveries=counts)  # fmt: skip
+        if suspects:  # finished before the prefetcher may claim more (see Prefetcher)
+            self._finish_inflight()
 
     def _claimed(self, job: Job, *, read0: float, read1: float, deliveries: int) -> None:
         """The job's queue_wait and claim spans (in its own trace), and the wait metric."""
@@ -489,40 +550,72 @@ class Leader:
     def _score_and_store(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
     ) -> None:
+        """Launch a micro-batch, then finish the one launched before it: at TP = 1 the device
+        computes this batch while the host stores the previous one's results and prepares the
+        next (one batch in flight at a time). With a TP group each batch finishes at once."""
+        launched = self._launch(jobs, batch_id=batch_id, claimed_at=claimed_at,
+                                deliveries=deliveries)  # fmt: skip
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            self._finish(previous)
+        if self.scorer.layout.tp_group is not None:
+            self._finish_inflight()
+
+    def _finish_inflight(self) -> None:
+        """Finish the batch in flight, if any (before idling, control commands, stopping)."""
+        while self._inflight is not None:
+            batch, self._inflight = self._inflight, None
+            self._finish(batch)
+
+    def _launch(
+        self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
+    ) -> _InFlight | None:
         t0 = time.perf_counter()
-        self.heartbeat.batch_started = time.monotonic()
-        batch_span = span("batch", root=True, batch_id=batch_id, jobs=len(jobs),
-                          job_ids=[j.job_id for j in jobs], consumer=self.name)  # fmt: skip
+        if self._inflight is None:
+            self.heartbeat.batch_started = time.monotonic()
+        b = start_span("batch", root=True, batch_id=batch_id, jobs=len(jobs),
+                       job_ids=[j.job_id for j in jobs], consumer=self.name)  # fmt: skip
         try:
-            with batch_span as b:
-                batch = batch_from_jobs(jobs)
-                packed = b.elapsed()
-                b.child("pack", start_s=0.0, end_s=packed)
-                b.set(tokens=batch.num_tokens)
-                broadcast_batch(batch, src=self.scorer.layout.leader_rank, group=self._group)
-                sent = b.elapsed()
-                b.child("broadcast", start_s=packed, end_s=sent)
-                self.faults.reached("compute")
-                outputs, phases = score_agreed(self.scorer, batch, self.faults)
-                for tp_rank, offsets in enumerate(phases):
-                    attach_phases(b, f"rank{tp_rank}", PHASES, offsets, at_s=sent, rank=tp_rank)
+            batch = batch_from_jobs(jobs)
+            packed = b.elapsed()
+            b.child("pack", start_s=0.0, end_s=packed)
+            b.set(tokens=batch.num_tokens)
+            broadcast_batch(batch, src=self.scorer.layout.leader_rank, group=self._group)
+            sent = b.elapsed()
+            b.child("broadcast", start_s=packed, end_s=sent)
+            self.faults.reached("compute")
+            finish = launch_agreed(self.scorer, batch, self.faults)
         except Exception as exc:  # noqa: BLE001 - loop boundary: a batch failure must not kill us
-            self.metrics.batch_failed()
-            log.warning("batch.failed", batch_id=batch_id, jobs=len(jobs), error=_describe(exc, ""))
-            if len(jobs) > 1:  # find the culprit (or get past OOM): each job alone
-                for job in jobs:
-                    self._score_and_store([job], batch_id=new_id(), claimed_at=claimed_at,
-                                          deliveries=deliveries)  # fmt: skip
-            else:
-                self._retry_or_fail(jobs[0], exc, deliveries=deliveries.get(jobs[0].entry_id, 1),
-                                    claimed_at=claimed_at)  # fmt: skip
+            end_span(b, exc)
+            self._batch_failed(jobs, exc, batch_id=batch_id, claimed_at=claimed_at,
+                               deliveries=deliveries)  # fmt: skip
+            return None
+        return _InFlight(jobs, batch_id, claimed_at, deliveries, batch, b, packed, sent, t0,
+                         finish)  # fmt: skip
+
+    def _finish(self, f: _InFlight) -> None:
+        try:
+            outputs, phases = f.finish()
+            for tp_rank, offsets in enumerate(phases):
+                attach_phases(f.span, f"rank{tp_rank}", PHASES, offsets, at_s=f.sent,
+                              rank=tp_rank)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - loop boundary: a batch failure must not kill us
+            end_span(f.span, exc)
+            self._batch_failed(f.jobs, exc, batch_id=f.batch_id, claimed_at=f.claimed_at,
+                               deliveries=f.deliveries)  # fmt: skip
             return
         finally:
-            self.heartbeat.batch_started = None
-        compute_s = time.perf_counter() - t0
-        self.counters.busy_s += compute_s
+            self._heartbeat_batch()
+        end_span(f.span)
+        done = time.perf_counter()
+        compute_s = done - f.t0
+        # Device time: from launch, or from the previous batch's end if it was still running.
+        self.counters.busy_s += done - max(f.t0, self._last_finish)
+        self._last_finish = done
         self.counters.batches += 1
-        self._link_spans(jobs, b, batch_id=batch_id, packed=packed, sent=sent, phases=phases)
+        jobs, batch, batch_id = f.jobs, f.batch, f.batch_id
+        self._link_spans(jobs, f.span, batch_id=batch_id, packed=f.packed, sent=f.sent,
+                         phases=phases)  # fmt: skip
         self.metrics.batch_done(jobs=len(jobs), tokens=batch.num_tokens, latency_s=compute_s)
         saved = batch.prefix_tokens_saved
         self.metrics.prefix_tokens_saved(saved)
@@ -536,7 +629,7 @@ class Leader:
                 model_generation=self.generation,
                 metadata=job.request.metadata,
                 timings={
-                    "queue_wait_ms": round(max(0.0, claimed_at - job.submitted_at) * 1000, 3),
+                    "queue_wait_ms": round(max(0.0, f.claimed_at - job.submitted_at) * 1000, 3),
                     "batch_compute_ms": round(compute_s * 1000, 3),
                 },
                 **arrays,
@@ -556,6 +649,29 @@ class Leader:
                  prefix_tokens_saved=saved,
                  device_idle_fraction=self.counters.idle_fraction,
                  **self.metrics.progress_fields())  # fmt: skip
+
+    def _heartbeat_batch(self) -> None:
+        """The hang watchdog times the batch in flight, if any."""
+        self.heartbeat.batch_started = None if self._inflight is None else time.monotonic()
+
+    def _batch_failed(
+        self, jobs: list[Job], exc: BaseException, *, batch_id: str, claimed_at: float,
+        deliveries: dict[str, int],
+    ) -> None:  # fmt: skip
+        """A batch failed: find the culprit (or get past OOM) by running each job alone; a job
+        that failed alone is retried or dead-lettered. The batch in flight finishes first, so
+        that these runs do not interleave with it."""
+        self._finish_inflight()
+        self.metrics.batch_failed()
+        log.warning("batch.failed", batch_id=batch_id, jobs=len(jobs), error=_describe(exc, ""))
+        if len(jobs) > 1:
+            for job in jobs:
+                self._score_and_store([job], batch_id=new_id(), claimed_at=claimed_at,
+                                      deliveries=deliveries)  # fmt: skip
+        else:
+            self._retry_or_fail(jobs[0], exc, deliveries=deliveries.get(jobs[0].entry_id, 1),
+                                claimed_at=claimed_at)  # fmt: skip
+        self._finish_inflight()
 
     def _link_spans(
         self, jobs: list[Job], b: Span, *, batch_id: str, packed: float, sent: float,
@@ -687,6 +803,7 @@ class Leader:
             return
         log.info("weights.update", path=path, generation=generation)
         self.heartbeat.state = "updating"
+        self._finish_inflight()
         self.writer.flush()  # results computed with the old weights are stored as such
         was_asleep = self.asleep
         self._wake()
@@ -714,6 +831,7 @@ class Leader:
             self._sleep()
 
     def _sleep(self) -> None:
+        self._finish_inflight()
         broadcast_header(SLEEP, src=self.scorer.layout.leader_rank, group=self._group)
         self.scorer.offload()
         self.asleep = True
@@ -818,6 +936,11 @@ class Prefetcher:
             self._error = exc
         finally:
             self._q.put(self._DONE)
+
+    @property
+    def ahead(self) -> bool:
+        """Whether entries are claimed on a background thread (else `get` claims inline)."""
+        return self._thread is not None
 
     def get(self, *, timeout_s: float) -> list[Entry] | None:
         """The next claimed entries, [] if none arrived in time, None once stopped and empty."""

@@ -340,6 +340,48 @@ class Span:
         )
 
 
+def start_span(name: str, *, root: bool = False, **attrs: Any) -> Span:
+    """Open a span without making it the current one: for work that starts in one place and
+    ends in another while other spans open and close in between (a batch the device computes
+    while the host stores the previous one). Its children are recorded with `Span.child`, its
+    end with `end_span`. Logs in between carry no trace ids of it."""
+    _check_attrs(name, attrs)
+    ctx = structlog.contextvars.get_contextvars()
+    if root:
+        trace_id, parent = new_id(), None
+    else:
+        trace_id, parent = ctx.get("trace_id") or new_id(), ctx.get("span_id")
+    s = Span(name, trace_id, parent, dict(attrs))
+    _log.debug(f"{name}.start", start_time=s.start_wall, **attrs)
+    return s
+
+
+def end_span(s: Span, exc: BaseException | None = None) -> None:
+    """End a span: its `.end` event (a warning with the error, if any) and its record."""
+    duration = (time.perf_counter() - s._start) * 1000
+    error = None
+    if exc is not None:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    extra = {"error": error} if error else {}
+    level = "warning" if error else "info"
+    # One dict: attrs set late through Span.set() must not collide with our own fields.
+    fields = {**s.attrs, "start_time": s.start_wall, "duration_ms": round(duration, 3), **extra}
+    getattr(_log, level)(f"{s.name}.end", **fields)
+    _emit(
+        _make_record(
+            name=s.name,
+            trace_id=s.trace_id,
+            span_id=s.span_id,
+            parent_span_id=s.parent_span_id,
+            start_time=s.start_wall,
+            duration_ms=duration,
+            attrs=dict(s.attrs),
+            error=error,
+            remote_parent=s.remote_parent,
+        )
+    )
+
+
 _MISSING = object()
 
 
@@ -381,28 +423,7 @@ class _SpanScope:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
         s, tokens, previous = self._open.pop()
-        duration = (time.perf_counter() - s._start) * 1000
-        error = None
-        if exc is not None:
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        extra = {"error": error} if error else {}
-        level = "warning" if error else "info"
-        # One dict: attrs set late through Span.set() must not collide with our own fields.
-        fields = {**s.attrs, "start_time": s.start_wall, "duration_ms": round(duration, 3), **extra}
-        getattr(_log, level)(f"{s.name}.end", **fields)
-        _emit(
-            _make_record(
-                name=s.name,
-                trace_id=s.trace_id,
-                span_id=s.span_id,
-                parent_span_id=s.parent_span_id,
-                start_time=s.start_wall,
-                duration_ms=duration,
-                attrs=dict(s.attrs),
-                error=error,
-                remote_parent=s.remote_parent,
-            )
-        )
+        end_span(s, exc)
         _restore(tokens, previous)
 
     async def __aenter__(self) -> Span:
@@ -503,14 +524,15 @@ class PhaseClock:
         return out
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, *, on_device: bool = True) -> Iterator[None]:
         """Time the body as phase `name` (a repeated name extends the first start to the
-        last end: a head run in chunks is one `head` phase)."""
+        last end: a head run in chunks is one `head` phase). `on_device`=False: host work
+        only, no device mark (a mark queued behind later work would end the phase late)."""
         start = time.perf_counter() - self._t0
         try:
             yield
         finally:
-            if self._mark is not None:
+            if self._mark is not None and on_device:
                 self._device_end[name] = self._mark()
             end = time.perf_counter() - self._t0
             first = self._host.get(name)

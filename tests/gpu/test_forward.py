@@ -77,18 +77,22 @@ def test_packed_documents_match_each_document_alone(model, layout) -> None:
         torch.testing.assert_close(packed[starts[i] : starts[i + 1]], alone, atol=3e-2, rtol=3e-2)
 
 
-def test_the_packed_forward_never_waits_for_the_device(model, layout) -> None:
+def test_the_forward_and_head_never_wait_for_the_device(model, layout) -> None:
     scorer = _scorer(model, layout)
     batch = _batch([1024] * 4 + [512, 256], seed=2)
     tree = scorer.layout_of(batch)
     scorer.packed_hidden_states(tree)  # first use: the rotary table moves to the device
     torch.cuda.synchronize()
+    full = _batch([1024] * 4 + [512, 256], seed=3, top_k=8, sample_n=2, return_entropy=True)
+    scorer.score(full)  # first use of the head's kernels
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         scorer.packed_hidden_states(tree)
+        pending = scorer.launch(full)  # forward, head and copies back: all queued
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert pending.result()[0]["topk_token_ids"].shape == (1023, 8)
 
 
 def test_graph_replays_equal_the_eager_forward(model, layout) -> None:
@@ -173,3 +177,23 @@ def test_fused_rope_matches_pytorch_in_fp32() -> None:
         got = rope(x, cos, sin)
         assert got.is_contiguous() and not got.isnan().any()
         torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_batches_launched_back_to_back_through_one_graph_keep_their_own_outputs(
+    model, layout
+) -> None:
+    """Two batches of one layout queued before either is collected: the second replays the
+    graph the first used, overwriting its hidden-state buffer; each must still get its own
+    outputs (the head reads a copy taken in stream order before the replay)."""
+    eager = _scorer(model, layout)
+    graphed = _scorer(model, layout, GraphedForward(model, max_graphs=2))
+    a, b = (_batch([1024] * 4, seed=s, top_k=4, sample_n=2) for s in (40, 41))
+    for _ in range(2):  # record the layout's graph
+        graphed.score(a)
+    first, second = graphed.launch(a), graphed.launch(b)
+    got_b, got_a = second.result(), first.result()
+    assert graphed.graphs is not None and graphed.graphs.replays >= 3
+    for got, batch in ((got_a, a), (got_b, b)):
+        for g, w in zip(got, eager.score(batch), strict=True):
+            for name in w:
+                np.testing.assert_array_equal(g[name], w[name], err_msg=name)

@@ -8,6 +8,7 @@ differs from the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -653,3 +654,25 @@ def test_chunked_head_rejects_mismatches():
         )
     with pytest.raises(ValueError, match="width 63"):
         chunked_head(hidden_TH=torch.zeros(4, 8), weight_VH=torch.zeros(63, 8), **args)
+
+
+def _hidden_args(logits_TV: torch.Tensor) -> dict:
+    """chunked_head arguments whose logits are `logits_TV`: identity hidden states."""
+    args = _small_args()
+    del args["logits_TV"]
+    return {**args, "hidden_TH": logits_TV, "weight_VH": torch.eye(logits_TV.shape[1])}
+
+
+def test_a_deferred_head_gives_the_same_outputs_and_raises_only_when_collected():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    want = chunked_head(**_hidden_args(logits))
+    pending = chunked_head(**_hidden_args(logits), deferred=True)
+    got = pending.result()
+    for f in dataclasses.fields(HeadOutputs):
+        a, b = getattr(want, f.name), getattr(got, f.name)
+        assert (a is None and b is None) or torch.equal(a, b), f.name
+    bad = logits.clone()
+    bad[2, 7] = nan
+    pending = chunked_head(**_hidden_args(bad), deferred=True)  # queued: no error yet
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        pending.result()
