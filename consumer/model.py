@@ -101,6 +101,9 @@ class TeacherGPTModel(GPTModel):
         graph of the forward reads them there (megatron's own tables live in an LRU cache that
         may drop them). Whoever holds graphs compares the tables before and after a call that
         may grow them (see Scorer)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current one
+            device = torch.device("cuda", torch.cuda.current_device())
         cos = getattr(self, "_rope_cos", None)
         if cos is None or cos.device != device or cos.shape[0] < positions:
             if self.config.rotary_interleaved:

@@ -181,9 +181,9 @@ def _gather_phases(
     clock: PhaseClock, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[list[float]]:
     """Every rank's phase offsets, by TP rank (one all-gather of 10 numbers per rank)."""
+    if group is None:  # nothing to gather, and no device round trip (it waits for the device)
+        return [clock.offsets(PHASES)]
     mine = torch.tensor(clock.offsets(PHASES), dtype=torch.float64, device=device)
-    if group is None:
-        return [mine.tolist()]
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
     return [t.tolist() for t in out]
