@@ -18,6 +18,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional as F
 
+from consumer import tp_ops
 from consumer.attention import SdpaCoreAttention, TreeBounds
 from consumer.parallel import ParallelLayout
 
@@ -138,13 +139,9 @@ class TeacherMLP(MLP):
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of fc1's output [..., 2 * ffn] = [gate | up]."""
-    if x.is_cuda:
-        try:
-            from consumer.kernels.swiglu import swiglu as fused
-        except ImportError:  # no Triton: PyTorch below
-            pass
-        else:
-            return fused(x)
+    kernels = tp_ops.triton_kernels(x.device)
+    if kernels is not None:
+        return kernels.swiglu(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
