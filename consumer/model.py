@@ -18,6 +18,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional as F
 
+from consumer import tp_ops
 from consumer.attention import SdpaCoreAttention, TreeBounds
 from consumer.parallel import ParallelLayout
 
@@ -101,6 +102,9 @@ class TeacherGPTModel(GPTModel):
         graph of the forward reads them there (megatron's own tables live in an LRU cache that
         may drop them). Whoever holds graphs compares the tables before and after a call that
         may grow them (see Scorer)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current one
+            device = torch.device("cuda", torch.cuda.current_device())
         cos = getattr(self, "_rope_cos", None)
         if cos is None or cos.device != device or cos.shape[0] < positions:
             if self.config.rotary_interleaved:
@@ -135,13 +139,9 @@ class TeacherMLP(MLP):
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of fc1's output [..., 2 * ffn] = [gate | up]."""
-    if x.is_cuda:
-        try:
-            from consumer.kernels.swiglu import swiglu as fused
-        except ImportError:  # no Triton: PyTorch below
-            pass
-        else:
-            return fused(x)
+    kernels = tp_ops.triton_kernels(x.device)
+    if kernels is not None:
+        return kernels.swiglu(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -103,6 +103,7 @@ class Scorer:
             bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
             if self.graphs is not None:
                 # Graphs read the rotary tables where they are: grown, they move.
+                # ids.device, not self.device: "cuda" and "cuda:0" compare unequal.
                 before = self.model.rope_tables(ids.device)[0]
                 if self.model.rope_tables(ids.device, bounds.max_seqlen_q)[0] is not before:
                     self.graphs.clear()

@@ -551,15 +551,21 @@ def _local_reduce(
 FUSED_KERNELS = True
 
 
-def _fused_backend(device: torch.device):  # -> the consumer.kernels module or None
-    """consumer.kernels when the chunk can run through the fused Triton kernels, else None."""
-    if device.type != "cuda" or not FUSED_KERNELS:
+def triton_kernels(device: torch.device):  # -> the consumer.kernels module or None
+    """consumer.kernels (the fused Triton kernels: head, SwiGLU, RoPE) for tensors on
+    `device`, or None where they do not run (not CUDA, or no Triton: PyTorch serves then)."""
+    if device.type != "cuda":
         return None
     try:
         from consumer import kernels
     except ImportError:  # no Triton here: the reference path serves CUDA as well
         return None
     return kernels
+
+
+def _fused_backend(device: torch.device):  # -> the consumer.kernels module or None
+    """consumer.kernels when the chunk can run through the fused Triton kernels, else None."""
+    return triton_kernels(device) if FUSED_KERNELS else None
 
 
 def _head_chunk(

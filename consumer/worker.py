@@ -211,7 +211,7 @@ def _gather_phases(
     clock: PhaseClock, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[list[float]]:
     """Every rank's phase offsets, by TP rank (one all-gather of 10 numbers per rank)."""
-    if group is None:  # nothing to gather: and no device copy, which would wait for the device
+    if group is None:  # nothing to gather, and no device round trip (it waits for the device)
         return [clock.offsets(PHASES)]
     mine = torch.tensor(clock.offsets(PHASES), dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

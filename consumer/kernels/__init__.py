@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the teacher head on CUDA.
+"""Fused Triton kernels on CUDA: the teacher head, and two of the forward's elementwise steps.
 
 `consumer.tp_ops` dispatches each row chunk here when its logits live on a CUDA device and
 Triton imports; everywhere else (and whenever `tp_ops.FUSED_KERNELS` is False) the PyTorch
@@ -9,9 +9,12 @@ reference path in tp_ops runs, and it stays the definition of every output:
   logits chunk instead of ~30 full-size elementwise PyTorch passes per sample;
 - `rowstats.local_reduce`: everything one rank contributes for a chunk (max, rest sums,
   entropy sums, top-k candidates, target logits, samples) from the bf16/fp16/fp32 logits
-  without materialising an fp32 [R, V] copy.
+  without materialising an fp32 [R, V] copy;
+- `swiglu.swiglu` and `rope.rope`: the MLP's SwiGLU and the rotary embedding of q and k in
+  one pass each (`consumer.model.TeacherMLP`, `consumer.attention.apply_rope`; PyTorch
+  elsewhere). They do not follow `FUSED_KERNELS`, which switches the head only.
 
-Importing this package raises ImportError when Triton is missing; tp_ops treats that as "use
+`tp_ops.triton_kernels(device)` returns this package where it runs. Importing this package raises ImportError when Triton is missing; tp_ops treats that as "use
 the reference path".
 """
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 import triton  # noqa: F401 - fail the import here when Triton is missing
 
 from consumer.kernels.gumbel import gumbel_argmax
+from consumer.kernels.rope import rope
 from consumer.kernels.rowstats import local_reduce
+from consumer.kernels.swiglu import swiglu
 
-__all__ = ["gumbel_argmax", "local_reduce"]
+__all__ = ["gumbel_argmax", "local_reduce", "rope", "swiglu"]
