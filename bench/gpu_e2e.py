@@ -396,17 +396,12 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
 
 
 def _kernel_mode(args: argparse.Namespace) -> str:
-    """Apply --portable-kernels / --no-fused in this process; returns the mode's name."""
+    """Apply --no-fused in this process; returns the mode's name."""
     from consumer import tp_ops
 
     if args.no_fused:
         tp_ops.FUSED_KERNELS = False
         return "reference (no fused kernels)"
-    if args.portable_kernels:
-        from consumer.kernels import gumbel
-
-        gumbel.CONFIG.fast_screen = False
-        return "fused, portable Gumbel screen"
     return "fused"
 
 
@@ -529,9 +524,8 @@ def _child_args(args: argparse.Namespace, role: str, model: str) -> list[str]:
     cmd += ["--seqlens", ",".join(map(str, args.seqlens)), "--iters", str(args.iters)]
     cmd += ["--tokens-per-forward", str(args.tokens_per_forward), "--device", args.device]
     cmd += ["--e2e-forwards", str(args.e2e_forwards)]
-    for flag in ("portable_kernels", "no_fused"):
-        if getattr(args, flag):
-            cmd.append("--" + flag.replace("_", "-"))
+    if args.no_fused:
+        cmd.append("--no-fused")
     return cmd
 
 
@@ -797,9 +791,6 @@ def main() -> None:
         type=int,
         default=4,
         help="TEACHERQ_CONSUMER__CUDA_GRAPHS of the consumer (0: eager forwards only)",
-    )
-    parser.add_argument(
-        "--portable-kernels", action="store_true", help="the portable Gumbel screen (slower)"
     )
     parser.add_argument(
         "--no-fused", action="store_true", help="the PyTorch reference head, no Triton kernels"

@@ -3,7 +3,8 @@
 Each tensor-parallel (TP) rank holds the logits of one contiguous slice of the padded vocabulary.
 From those slices this module computes, per scored position (a "row"): log-probs of given target
 ids, the top-k ids with their true log-probs and the log of the mass outside the top-k, samples
-drawn by the Gumbel-max trick from a counter-based hash, and the entropy. Every output is taken
+drawn by a two-level Gumbel-max trick from a counter-based hash (see `sampling_hash`), and the
+entropy. Every output is taken
 from the tempered distribution softmax(logits * inv_temperature), with padded vocabulary columns
 (ids >= vocab_size) excluded everywhere.
 
@@ -21,6 +22,8 @@ Shape legend (suffixes on tensor names):
     W  target ids per row (may be 0)
     K  top-k entries per row (may be 0)
     N  samples per row (may be 0)
+    G  sampling blocks of a shard (SAMPLE_BLOCK columns each, see `sampling_hash`)
+    B  columns of one sampling block
     P  tensor-parallel ranks
     C  merge candidates per row, P * K
     D  32-bit words one rank contributes per row to the gather
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
+    "SAMPLE_BLOCK",
     "CommStats",
     "HeadOutputs",
     "VocabShard",
@@ -50,10 +54,16 @@ __all__ = [
 ]
 
 # Row chunks are sized so one fp32 [R, V] buffer holds about this many elements; the sampling
-# scratch adds 20 bytes per element on top of the 4-byte tempered logits.
+# scratch adds 12 bytes per element (an fp32 copy in blocks and fp64 block sums) on top of the
+# 4-byte tempered logits.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
 # Default chunk of the fused CUDA kernels (consumer/kernels), which hold only the logits chunk.
 _FUSED_CHUNK_ELEMENTS = 1 << 27
+
+# Columns per sampling block: a sample first picks a block (by its probability mass), then a
+# column inside it. Blocks are aligned to global ids; vocabulary shards padded to a multiple of
+# it per rank (Megatron's default of 128 does) cut no block, so samples do not depend on TP.
+SAMPLE_BLOCK = 128
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64 increment (golden ratio)
@@ -241,13 +251,26 @@ def sampling_hash(
                    x ^= x >>> 27;  x *= 0x94D049BB133111EB
                    x ^= x >>> 31;  return x
         SM(s, c) = mix64(s + c * 0x9E3779B97F4A7C15)   # output c of SplitMix64 seeded with s
-        hash(seed, position, j, v) = SM(SM(SM(SM(seed, 1), position + 1), j + 1), v + 1)
+        key(seed, position, j) = SM(SM(SM(seed, 1), position + 1), j + 1)
+        hash(seed, position, j, c) = SM(key(seed, position, j), c)
 
-    with seed and position the row's int64 values (two's complement), j the 0-based sample index
-    and v the GLOBAL vocabulary id. Nothing depends on TP size, shard, chunk or batch layout.
-    `uniform_from_hash` turns the word into u in (0, 1); the sampler adds the fp32 Gumbel noise
-    fp32(-log(-log(u))) (computed in fp64, rounded once) to the tempered fp32 logit and keeps the
-    largest sum, ties going to the lowest id.
+    with seed and position the row's int64 values (two's complement) and j the 0-based sample
+    index. `uniform_from_hash` turns a word into u in (0, 1) and g(u) = -log(-log(u)) is the
+    Gumbel noise (fp64). Sample j of a row, over the tempered fp32 logits z of the real ids:
+
+    1. Blocks: the ids are cut into blocks of SAMPLE_BLOCK consecutive GLOBAL ids (where a
+       vocabulary shard starts inside a block, the two parts are separate blocks). A block b
+       with first id f has mass lse_b = log(sum of exp(z_v) over its ids), in fp64, and key
+       fp32(lse_b + g(u)) with u from hash(seed, position, j, -(f + 1)); the largest key wins,
+       ties to the lowest block.
+    2. Inside the winning block: each id v has key z_v + fp32(g(u)) with u from
+       hash(seed, position, j, v + 1); the largest wins, ties to the lowest id.
+
+    Step 1 picks block b with probability exp(lse_b) / sum exp(z) and step 2 picks v with
+    probability exp(z_v - lse_b): v is drawn from softmax(z), with O(V / SAMPLE_BLOCK) random
+    words per sample instead of O(V). Nothing depends on the batch layout or chunking, nor on
+    the TP size where shards are multiples of SAMPLE_BLOCK. This function returns the words
+    of step 2, hash(seed, position, sample_index, v + 1) for the given ids v.
     """
     keys_T1 = stream_keys(seed_T=seed_T, position_T=position_T, sample_n=sample_index + 1)[
         :, sample_index : sample_index + 1
@@ -416,10 +439,24 @@ def _local_topk(z_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return vals_RK, idx_RK
 
 
+def block_layout(start: int, valid: int) -> tuple[int, int]:
+    """(offset, blocks) for a shard's `valid` real columns from global id `start`: shifted
+    right by offset = start mod SAMPLE_BLOCK they fill `blocks` sampling blocks, local column
+    c lying in block (c + offset) // SAMPLE_BLOCK (the first and last may be partial)."""
+    offset = start % SAMPLE_BLOCK
+    return offset, -(-(offset + valid) // SAMPLE_BLOCK)
+
+
+def _noise(hash_RX: torch.Tensor) -> torch.Tensor:
+    """-log(-log(u)) in fp64 for the words' uniforms (consumes hash_RX)."""
+    return _uniform_into(hash_RX, torch.empty_like(hash_RX)).log_().neg_().log_().neg_()
+
+
 def _local_samples(
     z_RV: torch.Tensor, keys_RN: torch.Tensor, shard: VocabShard
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per (row, sample): best Gumbel key on this shard, its global id and its tempered logit."""
+    """Per (row, sample): the winning block's key on this shard, the global id drawn inside
+    that block and its tempered logit (the definition in `sampling_hash`)."""
     rows, sample_n = keys_RN.shape
     valid = shard.valid_size
     device = z_RV.device
@@ -428,23 +465,39 @@ def _local_samples(
     zwin_RN = torch.full((rows, sample_n), _NEG_INF, device=device)
     if valid == 0:
         return key_RN, id_RN, zwin_RN
-    zv_RV = z_RV[:, :valid]
-    gid_V = torch.arange(shard.start, shard.start + valid, dtype=torch.int64, device=device)
-    vgamma_V = (gid_V + 1).mul_(_GAMMA_S)
-    hash_RV = torch.empty((rows, valid), dtype=torch.int64, device=device)
-    tmp_RV = torch.empty_like(hash_RV)
-    gkey_RV = torch.empty((rows, valid), dtype=torch.float32, device=device)
+    width = SAMPLE_BLOCK
+    offset, blocks = block_layout(shard.start, valid)
+    z_RGB = torch.full((rows, blocks * width), _NEG_INF, device=device)
+    z_RGB[:, offset : offset + valid] = z_RV[:, :valid]
+    z_RGB = z_RGB.view(rows, blocks, width)
+
+    # Block masses in fp64, each relative to its own max (0 for a block with no finite logit).
+    m_RG = z_RGB.amax(dim=2)
+    live_RG = m_RG > _NEG_INF
+    m_RG = torch.where(live_RG, m_RG, 0.0).double()
+    lse_RG = (z_RGB.double() - m_RG[:, :, None]).exp_().sum(dim=2).log_().add_(m_RG)
+    lse_RG = torch.where(live_RG, lse_RG, _NEG_INF)
+
+    local_G = (torch.arange(blocks, device=device) * width - offset).clamp_(min=0)
+    bgamma_G = (-(local_G + shard.start + 1)).mul_(_GAMMA_S)  # counter -(first id + 1)
+    local_B = torch.arange(width, device=device)
     for j in range(sample_n):
-        torch.add(keys_RN[:, j : j + 1], vgamma_V[None, :], out=hash_RV)
-        _mix64_(hash_RV, tmp_RV)
-        log_e_RV = _uniform_into(hash_RV, tmp_RV).log_().neg_().log_()
-        gkey_RV.copy_(log_e_RV)  # the single fp64 -> fp32 rounding of -gumbel
-        torch.sub(zv_RV, gkey_RV, out=gkey_RV)
-        # max() returns the first maximal column, i.e. the lowest id on ties.
-        best_R, col_R = gkey_RV.max(dim=1)
-        key_RN[:, j] = best_R
-        id_RN[:, j] = col_R + shard.start
-        zwin_RN[:, j] = zv_RV.gather(1, col_R[:, None]).squeeze(1)
+        stream_R1 = keys_RN[:, j : j + 1]
+        words_RG = stream_R1 + bgamma_G
+        bkey_RG = (lse_RG + _noise(_mix64_(words_RG, torch.empty_like(words_RG)))).float()
+        # argmax returns the first maximal block: the lowest on ties.
+        best_R = bkey_RG.argmax(dim=1)
+        col_RB = best_R[:, None] * width - offset + local_B[None, :]
+        inside_RB = (col_RB >= 0) & (col_RB < valid)
+        col_RB.clamp_(0, valid - 1)
+        zb_RB = torch.where(inside_RB, z_RV.gather(1, col_RB), _NEG_INF)
+        words_RB = stream_R1 + (col_RB + shard.start + 1).mul_(_GAMMA_S)
+        # The single fp64 -> fp32 rounding of the noise, then the fp32 sum.
+        ekey_RB = zb_RB + _noise(_mix64_(words_RB, torch.empty_like(words_RB))).float()
+        at_R = ekey_RB.argmax(dim=1, keepdim=True)
+        key_RN[:, j] = bkey_RG.gather(1, best_R[:, None]).squeeze(1)
+        id_RN[:, j] = col_RB.gather(1, at_R).squeeze(1) + shard.start
+        zwin_RN[:, j] = zb_RB.gather(1, at_R).squeeze(1)
     return key_RN, id_RN, zwin_RN
 
 

@@ -4,9 +4,9 @@
 Triton imports; everywhere else (and whenever `tp_ops.FUSED_KERNELS` is False) the PyTorch
 reference path in tp_ops runs, and it stays the definition of every output:
 
-- `gumbel.gumbel_argmax`: the Gumbel-max samples, bit for bit what the reference draws (same
-  SplitMix64 hash, same fp64 noise rounded once to fp32, same tie rule), in one pass over the
-  logits chunk instead of ~30 full-size elementwise PyTorch passes per sample;
+- `gumbel.gumbel_argmax`: the two-level Gumbel-max samples (a block of ids by its mass, then
+  an id inside it), bit for bit what the reference draws (same SplitMix64 hash, same fp64
+  noise, same tie rules), in one pass over the logits chunk for all samples of a row;
 - `rowstats.local_reduce`: everything one rank contributes for a chunk (max, rest sums,
   entropy sums, top-k candidates, target logits, samples) from the bf16/fp16/fp32 logits
   without materialising an fp32 [R, V] copy;
@@ -14,8 +14,8 @@ reference path in tp_ops runs, and it stays the definition of every output:
   one pass each (`consumer.model.TeacherMLP`, `consumer.attention.apply_rope`; PyTorch
   elsewhere). They do not follow `FUSED_KERNELS`, which switches the head only.
 
-`tp_ops.triton_kernels(device)` returns this package where it runs. Importing this package raises ImportError when Triton is missing; tp_ops treats that as "use
-the reference path".
+`tp_ops.triton_kernels(device)` returns this package where it runs. Importing this package
+raises ImportError when Triton is missing; tp_ops treats that as "use the reference path".
 """
 
 from __future__ import annotations

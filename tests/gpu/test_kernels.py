@@ -54,18 +54,26 @@ def _reference_z(logits: torch.Tensor, inv: torch.Tensor, valid: int) -> torch.T
 
 
 @pytest.mark.parametrize(
-    ("block_v", "per_program", "tp_rank", "fast"),
-    [(1024, 1, 0, True), (2048, 2, 1, True), (512, 4, 0, False), (1024, 1, 1, False)],
+    ("blocks", "per_program", "tp", "tp_rank", "n"),
+    [
+        (8, 16, 2, 0, 8),
+        (4, 4, 2, 1, 8),  # two programs a row
+        (16, 16, 1, 0, 20),  # 16 + 4 samples: a partly masked second program
+        # TP = 3 cuts a sampling block: shard 0 ends 64 ids into it, shard 1 starts there.
+        (8, 8, 3, 0, 5),
+        (8, 8, 3, 1, 8),
+    ],
 )
-def test_gumbel_kernel_is_bit_identical_to_the_reference(block_v, per_program, tp_rank, fast):
-    rows, n, tp = 24, 8, 2
-    shard = tp_ops.vocab_shard(rank=tp_rank, tp_size=tp, padded_vocab=PADDED, vocab_size=VOCAB)
-    logits = _logits(rows, dtype=torch.bfloat16, seed=block_v, width=shard.size)
-    a = _row_args(rows, seed=block_v)
+def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp, tp_rank, n):
+    rows = 24
+    padded = 152064 + (192 if tp == 3 else 0)  # a multiple of 3, not of 3 x SAMPLE_BLOCK
+    shard = tp_ops.vocab_shard(rank=tp_rank, tp_size=tp, padded_vocab=padded, vocab_size=VOCAB)
+    logits = _logits(rows, dtype=torch.bfloat16, seed=blocks + tp_rank, width=shard.size)
+    a = _row_args(rows, seed=blocks)
     keys = tp_ops.stream_keys(seed_T=a["seed"], position_T=a["pos"], sample_n=n)
     cfg = gumbel.CONFIG
-    old = (cfg.block_v, cfg.samples_per_program, cfg.fast_screen)
-    cfg.block_v, cfg.samples_per_program, cfg.fast_screen = block_v, per_program, fast
+    old = (cfg.blocks_per_step, cfg.samples_per_program)
+    cfg.blocks_per_step, cfg.samples_per_program = blocks, per_program
     try:
         got = kernels.gumbel_argmax(
             logits_RV=logits.to(CUDA),
@@ -75,7 +83,7 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(block_v, per_program, t
             valid=shard.valid_size,
         )
     finally:
-        cfg.block_v, cfg.samples_per_program, cfg.fast_screen = old
+        cfg.blocks_per_step, cfg.samples_per_program = old
     z_cuda = _reference_z(logits.to(CUDA), a["inv"].to(CUDA), shard.valid_size)
     on_cuda = tp_ops._local_samples(z_cuda, keys.to(CUDA), shard)
     on_cpu = tp_ops._local_samples(z_cuda.cpu(), keys, shard)

@@ -17,13 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from consumer import tp_ops
 from consumer.tp_ops import (
+    SAMPLE_BLOCK,
     CommStats,
     HeadOutputs,
     VocabShard,
     chunked_head,
     head_from_logits,
     sampling_hash,
+    stream_keys,
     uniform_from_hash,
     validate_temperature,
     vocab_shard,
@@ -289,20 +292,43 @@ def _np_sm(s: np.ndarray, c: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def _np_gumbel(h: np.ndarray) -> np.ndarray:
+    u = (h >> np.uint64(12)).astype(np.float64) * 2.0**-52 + 2.0**-53
+    return -np.log(-np.log(u))
+
+
 def _reference_samples(case: dict, n: int) -> torch.Tensor:
-    """Gumbel-max over the full vocabulary with an independent numpy uint64 hash."""
+    """The two-level Gumbel-max of `sampling_hash`'s docstring over the full vocabulary (blocks
+    of SAMPLE_BLOCK ids from id 0, then an id inside the winning block), in numpy with an
+    independent uint64 hash."""
     z_TV = _tempered(case).numpy()
+    rows, vocab = z_TV.shape
+    width = SAMPLE_BLOCK
+    blocks = -(-vocab // width)
+    z_TX = np.full((rows, blocks * width), -np.inf, dtype=np.float32)
+    z_TX[:, :vocab] = z_TV
+    z_TGB = z_TX.reshape(rows, blocks, width).astype(np.float64)
+    m_TG = z_TGB.max(axis=2)
+    live_TG = m_TG > -np.inf
+    m_TG = np.where(live_TG, m_TG, 0.0)
+    with np.errstate(divide="ignore"):
+        lse_TG = np.log(np.exp(z_TGB - m_TG[:, :, None]).sum(axis=2)) + m_TG
+    lse_TG = np.where(live_TG, lse_TG, -np.inf)
+    # The block counter -(first id + 1), as a 64-bit word.
+    counter_G = (-(np.arange(blocks, dtype=np.int64) * width + 1)).astype(np.uint64)
     one = np.uint64(1)
     s0 = _np_sm(case["seed"].numpy().astype(np.uint64), one)
     s1 = _np_sm(s0, case["pos"].numpy().astype(np.uint64) + one)
-    v_V = np.arange(case["vocab"], dtype=np.uint64) + one
-    ids = np.empty((z_TV.shape[0], n), dtype=np.int64)
+    rows_T1 = np.arange(rows)[:, None]
+    ids = np.empty((rows, n), dtype=np.int64)
     for j in range(n):
         s2 = _np_sm(s1, np.uint64(j + 1))
-        h_TV = _np_sm(s2[:, None], v_V[None, :])
-        u_TV = (h_TV >> np.uint64(12)).astype(np.float64) * 2.0**-52 + 2.0**-53
-        g_TV = (-np.log(-np.log(u_TV))).astype(np.float32)
-        ids[:, j] = np.argmax(z_TV + g_TV, axis=1)  # first maximum: the lowest id
+        bkey_TG = (lse_TG + _np_gumbel(_np_sm(s2[:, None], counter_G[None, :]))).astype(np.float32)
+        block_T = np.argmax(bkey_TG, axis=1)  # first maximum: the lowest block
+        col_TB = block_T[:, None] * width + np.arange(width)[None, :]
+        g_TB = _np_gumbel(_np_sm(s2[:, None], col_TB.astype(np.uint64) + one)).astype(np.float32)
+        ekey_TB = z_TX[rows_T1, col_TB] + g_TB
+        ids[:, j] = col_TB[np.arange(rows), np.argmax(ekey_TB, axis=1)]  # lowest id on ties
     return torch.from_numpy(ids)
 
 
@@ -503,12 +529,16 @@ def _chisquare_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def test_sampling_follows_the_tempered_softmax():
-    vocab, padded, rows, n = 30, 32, 4000, 8
+@pytest.mark.parametrize(
+    ("vocab", "width"), [(30, 32), (300, 384)], ids=["one-block", "three-blocks"]
+)
+def test_sampling_follows_the_tempered_softmax(vocab, width):
+    rows, n, start = 4000, 8, 0
     gen = torch.Generator().manual_seed(11)
-    logits_V = torch.randn(padded, generator=gen) * 1.5
+    logits_V = torch.randn(width, generator=gen) * 1.5
+    logits_V[: vocab // 3] += 1.0  # blocks of unequal mass
     logits_V[vocab:] = 40.0
-    shard = vocab_shard(rank=0, tp_size=1, padded_vocab=padded, vocab_size=vocab)
+    shard = vocab_shard(rank=0, tp_size=1, padded_vocab=width, vocab_size=vocab)
     counts = {}
     for i, temperature in enumerate((0.5, 1.0, 2.0)):
         case = _one_row_case(logits_V=logits_V, temperature=temperature, rows=rows, seed=100 + i)
@@ -525,8 +555,8 @@ def test_sampling_follows_the_tempered_softmax():
             want_entropy=False,
             chunk_rows=1000,
         )
-        ids = out.sample_ids_TN.flatten()
-        assert int(ids.max()) < vocab
+        ids = out.sample_ids_TN.flatten() - start
+        assert int(ids.min()) >= 0 and int(ids.max()) < vocab
         counts[temperature] = np.bincount(ids.numpy(), minlength=vocab).astype(np.float64)
         probs = torch.softmax(logits_V[:vocab].double() / temperature, 0).numpy()
         p = _chisquare_p(counts[temperature], probs)
@@ -536,6 +566,32 @@ def test_sampling_follows_the_tempered_softmax():
         probs = torch.softmax(logits_V[:vocab].double() / wrong, 0).numpy()
         p = _chisquare_p(counts[drawn], probs)
         assert p < 1e-3, f"draws at T={drawn} passed as T={wrong} (p={p:.2e})"
+
+
+def test_a_shard_starting_inside_a_block_samples_its_own_softmax():
+    # TP rank 1 of 2 over 640 padded ids: the shard starts at id 320, in the middle of a
+    # sampling block, so its 300 real ids form blocks of 64, 128 and 108.
+    shard = vocab_shard(rank=1, tp_size=2, padded_vocab=640, vocab_size=620)
+    assert shard.start % SAMPLE_BLOCK == SAMPLE_BLOCK // 2 and shard.valid_size == 300
+    rows, n = 4000, 8
+    gen = torch.Generator().manual_seed(12)
+    z_V = torch.randn(shard.size, generator=gen) * 1.5
+    z_V[:100] += 1.0
+    keys_RN = stream_keys(
+        seed_T=torch.full((rows,), 77, dtype=torch.int64),
+        position_T=torch.arange(rows, dtype=torch.int64),
+        sample_n=n,
+    )
+    _, id_RN, zwin_RN = tp_ops._local_samples(z_V.expand(rows, -1).contiguous(), keys_RN, shard)
+    local = id_RN.flatten() - shard.start
+    assert int(local.min()) >= 0 and int(local.max()) < shard.valid_size
+    assert torch.equal(zwin_RN.flatten(), z_V[local])
+    counts = np.bincount(local.numpy(), minlength=shard.valid_size).astype(np.float64)
+    probs = torch.softmax(z_V[: shard.valid_size].double(), 0).numpy()
+    p = _chisquare_p(counts, probs)
+    assert p > 1e-3, f"chi-square p={p:.2e}"
+    shifted = torch.softmax(z_V[: shard.valid_size].double() * 1.15, 0).numpy()
+    assert _chisquare_p(counts, shifted) < 1e-3, "the test cannot tell a wrong distribution"
 
 
 def _small_args(**overrides) -> dict:
