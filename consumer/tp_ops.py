@@ -755,26 +755,38 @@ def _merge(req: _Request, gathered_PRD: torch.Tensor, w: int) -> tuple[HeadOutpu
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _HeadCall:
+    """The inputs of one head call, as `head_from_logits` / `chunked_head` received them."""
+
+    rows: int
+    width: int
+    device: torch.device
+    logits_chunk: Callable[[int, int], torch.Tensor]
+    shard: VocabShard
+    tp_group: dist.ProcessGroup | None
+    target_ids_TW: torch.Tensor | None
+    inv_temperature_T: torch.Tensor
+    top_k: int
+    sample_n: int
+    seed_T: torch.Tensor | None
+    position_T: torch.Tensor | None
+    want_entropy: bool
+    chunk_rows: int | None
+    comm: CommStats | None
+
+
 def _run_chunks(
-    *,
-    rows: int,
-    width: int,
-    device: torch.device,
-    logits_chunk: Callable[[int, int], torch.Tensor],
-    shard: VocabShard,
-    tp_group: dist.ProcessGroup | None,
-    target_ids_TW: torch.Tensor | None,
-    inv_temperature_T: torch.Tensor,
-    top_k: int,
-    sample_n: int,
-    seed_T: torch.Tensor | None,
-    position_T: torch.Tensor | None,
-    want_entropy: bool,
-    chunk_rows: int | None,
-    comm: CommStats | None,
-    allow_fused: bool = True,
-    deferred: bool = False,
+    call: _HeadCall, *, allow_fused: bool = True, deferred: bool = False
 ) -> Any:  # HeadOutputs, or PendingHead when deferred
+    rows, width, device, shard, tp_group = (
+        call.rows, call.width, call.device, call.shard, call.tp_group
+    )  # fmt: skip
+    top_k, sample_n, want_entropy, chunk_rows = (
+        call.top_k, call.sample_n, call.want_entropy, call.chunk_rows
+    )  # fmt: skip
+    target_ids_TW, inv_temperature_T = call.target_ids_TW, call.inv_temperature_T
+    seed_T, position_T = call.seed_T, call.position_T
     rank, tp_size = _group_layout(tp_group)
     _check_inputs(
         rows=rows,
@@ -802,7 +814,7 @@ def _run_chunks(
     if target_ids_TW is None:
         target_ids_TW = torch.empty((rows, 0), dtype=torch.int64, device=device)
     w = target_ids_TW.shape[1]
-    req = _Request(shard, tp_group, rank, tp_size, top_k, sample_n, want_entropy, comm)
+    req = _Request(shard, tp_group, rank, tp_size, top_k, sample_n, want_entropy, call.comm)
 
     def f32(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32, device=device)
@@ -830,7 +842,7 @@ def _run_chunks(
         r1 = min(rows, r0 + step)
         part, bad_R, over_R = _head_chunk(
             req,
-            logits_chunk(r0, r1),
+            call.logits_chunk(r0, r1),
             target_ids_TW[r0:r1],
             inv_temperature_T[r0:r1],
             None if keys_TN is None else keys_TN[r0:r1],
@@ -845,24 +857,7 @@ def _run_chunks(
             over_T[r0:r1] = over_R
 
     def on_reference_path() -> HeadOutputs:
-        return _run_chunks(
-            rows=rows,
-            width=width,
-            device=device,
-            logits_chunk=logits_chunk,
-            shard=shard,
-            tp_group=tp_group,
-            target_ids_TW=target_ids_TW,
-            inv_temperature_T=inv_temperature_T,
-            top_k=top_k,
-            sample_n=sample_n,
-            seed_T=seed_T,
-            position_T=position_T,
-            want_entropy=want_entropy,
-            chunk_rows=chunk_rows,
-            comm=comm,
-            allow_fused=False,
-        )
+        return _run_chunks(call, allow_fused=False)
 
     # Both checks in one host read. A row the kernels could not finish (a huge tie at the top-k
     # threshold) may sit on any rank, so the ranks agree before all of them redo the call on the
@@ -959,7 +954,7 @@ def head_from_logits(
         raise ValueError(
             f"logits_TV must be a 2-D float tensor, got {logits_TV.dtype} {tuple(logits_TV.shape)}"
         )
-    return _run_chunks(
+    call = _HeadCall(
         rows=logits_TV.shape[0],
         width=logits_TV.shape[1],
         device=logits_TV.device,
@@ -976,6 +971,7 @@ def head_from_logits(
         chunk_rows=chunk_rows,
         comm=comm,
     )
+    return _run_chunks(call)
 
 
 @torch.no_grad()
@@ -1019,7 +1015,7 @@ def chunked_head(
     if hidden_TH.device != weight_VH.device:
         raise ValueError(f"hidden_TH is on {hidden_TH.device}, weight_VH on {weight_VH.device}")
     weight_HV = weight_VH.t()
-    return _run_chunks(
+    call = _HeadCall(
         rows=hidden_TH.shape[0],
         width=weight_VH.shape[0],
         device=hidden_TH.device,
@@ -1035,5 +1031,5 @@ def chunked_head(
         want_entropy=want_entropy,
         chunk_rows=chunk_rows,
         comm=comm,
-        deferred=deferred,
     )
+    return _run_chunks(call, deferred=deferred)
