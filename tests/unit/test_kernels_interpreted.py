@@ -1,9 +1,8 @@
-"""The sampling kernel (consumer/kernels/gumbel.py) under Triton's CPU interpreter.
+"""The fused head's Triton kernels (consumer/kernels) under Triton's CPU interpreter.
 
-The CUDA tests (tests/gpu) run the compiled kernel; this one runs its logic on a machine
+The CUDA tests (tests/gpu) run the compiled kernels; these run their logic on a machine
 without a GPU, so CI sees a change that breaks it. Each case runs in a fresh interpreter,
-since TRITON_INTERPRET is read when the kernels are defined. Samples must equal the PyTorch
-reference bit for bit: ids, block keys and tempered logits.
+since TRITON_INTERPRET is read when the kernels are defined.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
 
-SCRIPT = textwrap.dedent(
+PRELUDE = textwrap.dedent(
     """
     import sys
 
@@ -39,10 +38,17 @@ SCRIPT = textwrap.dedent(
 
         interpreter._patch_lang_tensor = _patched
 
-    from consumer import tp_ops
+    from consumer import kernels, tp_ops
     from consumer.kernels import gumbel
 
-    start, valid, width, n, per_program = (int(a) for a in sys.argv[1:])
+    args = [int(a) for a in sys.argv[1:]]
+    """
+)
+
+# Samples must equal the PyTorch reference bit for bit: block keys, ids and tempered logits.
+SAMPLES = textwrap.dedent(
+    """
+    start, valid, width, n, per_program = args
     rows = 6
     gen = torch.Generator().manual_seed(start + valid + n)
     logits = torch.randn(rows, width, generator=gen) * 3.0
@@ -68,6 +74,60 @@ SCRIPT = textwrap.dedent(
     """
 )
 
+# The whole head through the kernels against the reference path, on the same CPU tensors:
+# ids equal, values equal to fp32 rounding (sums run in another order).
+HEAD = textwrap.dedent(
+    """
+    top_k, want_entropy, bf16 = args
+    tp_ops.triton_kernels = lambda device: kernels  # the kernels take CPU tensors here
+    # Small steps and two splits a row, so the running rescale and the merge of splits run.
+    kernels.rowstats.CONFIG.block_v = 128
+    kernels.rowstats.CONFIG.target_programs = 24
+    rows, padded, vocab = 12, 1024, 1000
+    gen = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(rows, padded, generator=gen) * 3.0
+    logits[1, 10:300] = float("-inf")
+    logits[3] = torch.randint(-2, 3, (padded,), generator=gen).float()  # ties everywhere
+    logits = logits.to(torch.bfloat16 if bf16 else torch.float32)
+    call = dict(
+        logits_TV=logits,
+        shard=tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=padded, vocab_size=vocab),
+        tp_group=None,
+        target_ids_TW=torch.randint(300, vocab, (rows, 3), generator=gen),
+        inv_temperature_T=tp_ops.validate_temperature(temperature_T=[0.7, 1.0, 2.0] * 4),
+        top_k=top_k,
+        sample_n=4,
+        seed_T=torch.arange(rows),
+        position_T=torch.arange(rows) + 3,
+        want_entropy=bool(want_entropy),
+    )
+    out = {}
+    for fused in (True, False):
+        tp_ops.FUSED_KERNELS = fused
+        out[fused] = vars(tp_ops.head_from_logits(**call))
+    for name, want in out[False].items():
+        got = out[True][name]
+        if want is None or not want.is_floating_point():
+            assert (got is None and want is None) or torch.equal(got, want), name
+        else:
+            torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5, msg=name)
+    print("ok")
+    """
+)
+
+
+def _run(body: str, *args: int) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
 
 @pytest.mark.parametrize(
     ("start", "valid", "width", "n", "per_program"),
@@ -78,14 +138,10 @@ SCRIPT = textwrap.dedent(
         (0, 100, 128, 5, 2),  # one block, three programs a row
     ],
 )
-def test_interpreted_kernel_matches_the_reference(start, valid, width, n, per_program):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *map(str, (start, valid, width, n, per_program))],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+def test_sampling_kernel_matches_the_reference(start, valid, width, n, per_program):
+    _run(SAMPLES, start, valid, width, n, per_program)
+
+
+@pytest.mark.parametrize(("top_k", "want_entropy", "bf16"), [(20, 1, 1), (64, 0, 0), (0, 1, 1)])
+def test_fused_head_matches_the_reference_path(top_k, want_entropy, bf16):
+    _run(HEAD, top_k, want_entropy, bf16)
