@@ -168,7 +168,7 @@ class _Pass:
     jobs: list[int]
     plan: _HeadPlan
     pending: tp_ops.PendingHead
-    host: tp_ops.HeadOutputs  # pending.out's host copies, complete once the batch's event is
+    host: tp_ops.HeadOutputs  # host copies of pending.out, complete after PendingScore.done
 
 
 def _host(out: tp_ops.HeadOutputs, *, wait: bool) -> tp_ops.HeadOutputs:
