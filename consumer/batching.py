@@ -99,6 +99,7 @@ def batch_from_jobs(jobs: Sequence[Job]) -> BatchTensors:
     for r in reqs:
         n = r.num_tokens - 1
         if r.label_width:
+            assert r.label_token_ids is not None  # a label width implies the labels
             labels[at : at + n, : r.label_width] = r.label_token_ids
         at += n
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis
 import structlog
 
-from shared.streams import Streams
+from shared.streams import Entry, StreamReply, Streams
 
 log = structlog.get_logger("teacherq.claims")
-
-Entry = tuple[bytes, dict[bytes, bytes]]
 
 
 @dataclass
@@ -72,8 +71,11 @@ class Claimer:
         if not self._own_pending_done:
             # Walk our pending list forward from a cursor: entries handed out earlier may not
             # be acknowledged yet (writes finish in the background) and must not come again.
-            reply = self.r.xreadgroup(
-                self.streams.group, self.name, {self.streams.jobs: self._own_cursor}, count=1
+            reply = cast(
+                StreamReply,
+                self.r.xreadgroup(
+                    self.streams.group, self.name, {self.streams.jobs: self._own_cursor}, count=1
+                ),
             )
             raw = reply[0][1] if reply else []
             if raw:
@@ -93,14 +95,18 @@ class Claimer:
         return self._read(">", count, block=self.block_ms)
 
     def _read(self, from_id: str, count: int, *, block: int | None) -> list[Entry]:
-        reply = self.r.xreadgroup(
-            self.streams.group, self.name, {self.streams.jobs: from_id}, count=count, block=block
-        )
+        reply = cast(
+            StreamReply,
+            self.r.xreadgroup(
+                self.streams.group, self.name, {self.streams.jobs: from_id}, count=count,
+                block=block,
+            ),
+        )  # fmt: skip
         entries = reply[0][1] if reply else []
         return self._drop_deleted(entries)
 
     def _autoclaim(self, count: int) -> list[Entry]:
-        cursor, entries, deleted = self.r.xautoclaim(
+        reply = self.r.xautoclaim(
             self.streams.jobs,
             self.streams.group,
             self.name,
@@ -108,6 +114,7 @@ class Claimer:
             start_id=self._cursor,
             count=count,
         )
+        cursor, entries, deleted = cast(tuple[bytes, list[Entry], list[bytes]], reply)
         self._cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
         if deleted:
             # XAUTOCLAIM already removed these from the pending list.
@@ -121,8 +128,9 @@ class Claimer:
             log.info("claim.reclaimed", count=len(entries), consumer=self.name)
         return entries
 
-    def _drop_deleted(self, entries: list) -> list[Entry]:
-        kept, gone = [], []
+    def _drop_deleted(self, entries: list[Entry]) -> list[Entry]:
+        kept: list[Entry] = []
+        gone: list[Entry] = []
         for entry_id, fields in entries:
             (kept if fields else gone).append((entry_id, fields))
         if gone:
@@ -144,7 +152,10 @@ class Claimer:
             count=max(len(entry_ids) * 2, 100),
             consumername=self.name,
         )
-        return {row["message_id"]: int(row["times_delivered"]) for row in rows}
+        return {
+            row["message_id"]: int(row["times_delivered"])
+            for row in cast(list[dict[str, Any]], rows)
+        }
 
     def touch(self, entry_ids: Sequence[str]) -> None:
         """Reset the idle time of entries we are still working on (XCLAIM JUSTID to ourselves

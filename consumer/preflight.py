@@ -31,9 +31,9 @@ def check_redis(client: redis.Redis, *, policy: str) -> dict[str, str]:
     }
     problems = []
     try:
-        found["appendonly"] = client.config_get("appendonly").get("appendonly", "?")
-        found["maxmemory-policy"] = client.config_get("maxmemory-policy").get(
-            "maxmemory-policy", "?"
+        found["appendonly"] = str(client.config_get("appendonly").get("appendonly", "?"))
+        found["maxmemory-policy"] = str(
+            client.config_get("maxmemory-policy").get("maxmemory-policy", "?")
         )
     except redis.ResponseError as exc:  # managed services often disable CONFIG
         problems.append(f"cannot read the server config ({exc}); durability not verified")

@@ -12,7 +12,6 @@ rows it would get scored alone.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,13 +175,7 @@ def _host(out: tp_ops.HeadOutputs, *, wait: bool) -> tp_ops.HeadOutputs:
     once the device got there) or copied now; on the CPU, the tensors themselves."""
     if out.target_logprobs_TW.device.type != "cuda":
         return out
-    return tp_ops.HeadOutputs(
-        **{
-            f.name: None if t is None else t.to("cpu", non_blocking=not wait)
-            for f in dataclasses.fields(out)
-            for t in [getattr(out, f.name)]
-        }
-    )
+    return out.map(lambda t: t.to("cpu", non_blocking=not wait))
 
 
 @dataclass(frozen=True)
@@ -312,14 +305,14 @@ def _split_per_job(
 ) -> list[dict[str, np.ndarray]]:
     """Each job's rows of a head pass over the rows of `jobs`."""
 
-    def host(t: torch.Tensor | None) -> np.ndarray | None:
-        return None if t is None else t.detach().cpu().numpy()
+    def host(t: torch.Tensor) -> np.ndarray:
+        return t.detach().cpu().numpy()
 
     targets = host(out.target_logprobs_TW)
     topk_ids, topk_lp = host(out.topk_ids_TK), host(out.topk_logprobs_TK)
     rest = host(out.topk_rest_logprob_T)
     samp_ids, samp_lp = host(out.sample_ids_TN), host(out.sample_logprobs_TN)
-    entropy = host(out.entropy_T)
+    entropy = None if out.entropy_T is None else host(out.entropy_T)
     results = []
     for j in jobs:
         rows, col = plan.head_row[j], plan.column[j]  # fancy indexing below copies
@@ -340,6 +333,7 @@ def _split_per_job(
             job["sampled_token_ids"] = samp_ids[rows, :n]
             job["sampled_logprobs"] = samp_lp[rows, :n]
         if int(batch.entropy_J[j]):
+            assert entropy is not None  # the pass computed it: one of its jobs asked
             job["entropy"] = entropy[rows]
         results.append(job)
     return results

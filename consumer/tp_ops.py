@@ -172,6 +172,18 @@ class HeadOutputs:
     sample_logprobs_TN: torch.Tensor  # fp32
     entropy_T: torch.Tensor | None  # fp32, nats
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> HeadOutputs:
+        """These outputs with `fn` applied to every tensor (an absent entropy stays None)."""
+        return HeadOutputs(
+            target_logprobs_TW=fn(self.target_logprobs_TW),
+            topk_ids_TK=fn(self.topk_ids_TK),
+            topk_logprobs_TK=fn(self.topk_logprobs_TK),
+            topk_rest_logprob_T=fn(self.topk_rest_logprob_T),
+            sample_ids_TN=fn(self.sample_ids_TN),
+            sample_logprobs_TN=fn(self.sample_logprobs_TN),
+            entropy_T=None if self.entropy_T is None else fn(self.entropy_T),
+        )
+
 
 # --------------------------------------------------------------------------------------------
 # Temperature
@@ -574,6 +586,7 @@ def _local_reduce(
         cand_id_RK[:, :k_local] = local_idx + shard.start
 
     if n:
+        assert keys_RN is not None  # the caller derives them whenever n > 0
         skey_RN, sid_RN, sz_RN = _local_samples(z_RV, keys_RN, shard)
     else:
         skey_RN = sz_RN = torch.empty((rows, 0), device=device)

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import redis
 import structlog
@@ -45,7 +46,7 @@ from consumer.batching import (
     broadcast_text,
     receive_batch,
 )
-from consumer.claims import Claimer, Entry
+from consumer.claims import Claimer
 from consumer.faults import FaultInjector
 from consumer.heartbeat import Heartbeat
 from consumer.metrics import ConsumerMetrics
@@ -59,7 +60,7 @@ from shared.keys import THROUGHPUT_MAXLEN, throughput_stream
 from shared.messages import Job, Limits, TeacherResult, decode_job, entry_tokens
 from shared.settings import Settings
 from shared.storage import ObjectStore
-from shared.streams import Streams
+from shared.streams import Entry, StreamReply, Streams
 from shared.tracing import (
     PhaseClock,
     Span,
@@ -684,7 +685,9 @@ class Leader:
         forward_end = t + sent + lead[2 * PHASES.index("forward") + 1]
         head_end = t + sent + max(lead)  # head and d2h
         for job in jobs:
-            link = {"carrier": job.request.trace, "job_id": job.job_id, "batch_id": batch_id}
+            link: dict[str, Any] = {
+                "carrier": job.request.trace, "job_id": job.job_id, "batch_id": batch_id
+            }  # fmt: skip
             record("pack", start_time=t, end_time=t + packed, **link)
             record("forward", start_time=t + packed, end_time=forward_end, **link)
             record("head", start_time=forward_end, end_time=head_end, **link)
@@ -785,7 +788,10 @@ class Leader:
 
     def _check_control(self) -> None:
         """Apply commands other processes put on the control stream (weight updates)."""
-        reply = self.r.xread({keys.control_stream(self.queue): self.control_cursor}, count=100)
+        reply = cast(
+            StreamReply,
+            self.r.xread({keys.control_stream(self.queue): self.control_cursor}, count=100),
+        )
         newest: tuple[str, int] | None = None
         for _stream, entries in reply or []:
             for entry_id, fields in entries:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 import structlog
@@ -26,7 +26,7 @@ from shared.redis_server import connect
 from shared.results import decode_record, encode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
-from shared.streams import Streams
+from shared.streams import Entry, Fields, StreamReply, Streams
 from shared.tracing import span
 from shared.weights import UpdateRequest
 
@@ -126,8 +126,7 @@ class TeacherClient:
                 f"exceed queue.max_pending_tokens={q.max_pending_tokens}"
             )
         deadline = time.monotonic() + q.backpressure_timeout_s
-        last = self.r.xrevrange(self.streams.done, count=1)
-        cursor: bytes | str = last[0][0] if last else "0-0"
+        cursor = self._done_cursor()
         log.info("submit.backpressure", pending_tokens=pending, limit=q.max_pending_tokens)
         while True:
             pending = self.streams.pending_tokens()
@@ -140,7 +139,7 @@ class TeacherClient:
                     f"{q.max_pending_tokens} for {q.backpressure_timeout_s:.0f}s"
                 )
             reply = self.r.xread({self.streams.done: cursor}, block=int(min(left, 1) * 1000))
-            for _stream, entries in reply or []:
+            for _stream, entries in cast(StreamReply, reply) or []:
                 cursor = entries[-1][0]
 
     def results(self, job_ids: Sequence[str]) -> list[TeacherResult | None]:
@@ -170,8 +169,7 @@ class TeacherClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Note where the completion stream ends *before* reading results: a job finishing in
         # between is then seen on the stream.
-        last = self.r.xrevrange(self.streams.done, count=1)
-        cursor: bytes | str = last[0][0] if last else "0-0"
+        cursor = self._done_cursor()
         found: dict[str, TeacherResult] = {}
         pending = set(job_ids)
         check = list(pending)
@@ -192,15 +190,21 @@ class TeacherClient:
                     block_ms = max(1, min(block_ms, int(left * 1000)))
                 reply = self.r.xread({self.streams.done: cursor}, block=block_ms, count=10_000)
                 announced = set()
-                for _stream, entries in reply or []:
+                for _stream, entries in cast(StreamReply, reply) or []:
                     for entry_id, fields in entries:
                         cursor = entry_id
                         announced.add(fields.get(b"job_id", b"").decode())
                 check = list(announced & pending)
 
+    def _done_cursor(self) -> bytes | str:
+        """The id of the completion stream's last entry ("0-0" while empty): read from there,
+        XREAD sees only completions that come after."""
+        last = cast(list[Entry], self.r.xrevrange(self.streams.done, count=1))
+        return last[0][0] if last else "0-0"
+
     def consumers(self) -> dict[str, dict[str, Any]]:
         """Heartbeat records of the consumers of this queue, by name."""
-        raw = self.r.hgetall(keys.consumers_key(self.queue))
+        raw = cast(Fields, self.r.hgetall(keys.consumers_key(self.queue)))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     def consumers_ready(self) -> bool:

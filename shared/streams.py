@@ -13,6 +13,13 @@ import redis
 
 from shared import keys
 
+# Reply shapes. redis-py types a reply as any of its RESP2 / RESP3, bytes / str forms;
+# teacherq's clients speak RESP2 and keep bytes (decode_responses=False), so these are the
+# shapes that arrive. Call sites `cast` a reply to one of them.
+Entry = tuple[bytes, dict[bytes, bytes]]  # a stream entry: id, fields
+StreamReply = list[tuple[bytes, list[Entry]]]  # XREAD / XREADGROUP: per stream, its entries
+Fields = dict[bytes, bytes]  # HGETALL
+
 # KEYS: submitted marker, jobs stream, pending-token counter. ARGV: marker TTL, token count,
 # then stream field/value pairs. Returns the new entry id, or false if the job id was
 # submitted before.

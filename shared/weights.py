@@ -19,10 +19,12 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
 from shared import keys
+from shared.streams import Fields, StreamReply
 
 # KEYS: weights hash, control stream. ARGV: path, new request id, now, stale-after seconds.
 _REQUEST = """
@@ -71,7 +73,7 @@ class Served:
 
 def current(r: redis.Redis, queue: str) -> Served:
     """The queue's weight record (generation 0, no path, before any update)."""
-    raw = r.hgetall(keys.weights_key(queue))
+    raw = cast(Fields, r.hgetall(keys.weights_key(queue)))
     path = raw.get(b"path")
     return Served(
         path=path.decode() if path else None,
@@ -105,7 +107,7 @@ def ack_update(
     does. Returns True if this ack completed the update."""
     acks_key = keys.weights_key(queue) + ":acks"
     r.hset(acks_key, replica, generation)
-    acks = {k.decode(): int(v) for k, v in r.hgetall(acks_key).items()}
+    acks = {k.decode(): int(v) for k, v in cast(Fields, r.hgetall(acks_key)).items()}
     if any(acks.get(name, -1) < generation for name in live_replicas):
         return False
     pipe = r.pipeline(transaction=True)
@@ -134,7 +136,7 @@ def wait_done(r: redis.Redis, queue: str, generation: int, *, timeout_s: float) 
         if left <= 0:
             raise TimeoutError(f"weights generation {generation} not served everywhere yet")
         reply = r.xread({keys.control_stream(queue): cursor}, block=int(min(left, 1) * 1000))
-        for _stream, entries in reply or []:
+        for _stream, entries in cast(StreamReply, reply) or []:
             cursor = entries[-1][0]
 
 
@@ -145,7 +147,7 @@ def live_replicas(
     `states` (None: any state but stopped)."""
     now = time.time()
     names = []
-    for name, raw in r.hgetall(keys.consumers_key(queue)).items():
+    for name, raw in cast(Fields, r.hgetall(keys.consumers_key(queue))).items():
         try:
             rec = json.loads(raw)
         except ValueError:
