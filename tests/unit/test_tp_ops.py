@@ -676,6 +676,15 @@ def test_nonfinite_logits_raise(bad):
         head_from_logits(**_small_args(logits_TV=masked, top_k=0))
 
 
+def test_head_outputs_map_applies_to_every_tensor():
+    out = head_from_logits(**_small_args(top_k=3, sample_n=2, want_entropy=True))
+    doubled = out.map(lambda t: t * 2)
+    for f in dataclasses.fields(out):
+        assert torch.equal(getattr(doubled, f.name), getattr(out, f.name) * 2), f.name
+    no_entropy = head_from_logits(**_small_args(want_entropy=False))
+    assert no_entropy.map(lambda t: t * 2).entropy_T is None
+
+
 def test_merge_order_is_value_then_lowest_id():
     from consumer.tp_ops import _order_key
 
