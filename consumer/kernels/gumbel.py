@@ -67,18 +67,6 @@ def _mix64(x):
 
 
 @triton.jit
-def _gumbel64(h, INTERPRET: tl.constexpr):
-    """-log(-log(u)) in fp64 for the word h: the reference's noise, bit for bit."""
-    u = ((h >> 12) & _MASK52).to(tl.float64) * _TWO_M52 + _TWO_M53  # exact: (2k + 1) / 2**53
-    if INTERPRET:  # noqa: SIM108 - a constexpr branch: Triton compiles only the side taken
-        g = -tl.log(-tl.log(u))
-    else:
-        # CUDA's double-precision log, the function torch's CUDA log kernel calls.
-        g = -libdevice.log(-libdevice.log(u))
-    return g
-
-
-@triton.jit
 def _exp64(x, INTERPRET: tl.constexpr):
     if INTERPRET:  # noqa: SIM108 - a constexpr branch: Triton compiles only the side taken
         y = tl.exp(x)
@@ -92,8 +80,16 @@ def _log64(x, INTERPRET: tl.constexpr):
     if INTERPRET:  # noqa: SIM108 - a constexpr branch: Triton compiles only the side taken
         y = tl.log(x)
     else:
+        # CUDA's double-precision log, the function torch's CUDA log kernel calls.
         y = libdevice.log(x)
     return y
+
+
+@triton.jit
+def _gumbel64(h, INTERPRET: tl.constexpr):
+    """-log(-log(u)) in fp64 for the word h: the reference's noise, bit for bit."""
+    u = ((h >> 12) & _MASK52).to(tl.float64) * _TWO_M52 + _TWO_M53  # exact: (2k + 1) / 2**53
+    return -_log64(-_log64(u, INTERPRET), INTERPRET)
 
 
 @triton.jit
