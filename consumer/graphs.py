@@ -1,9 +1,9 @@
 """CUDA graphs of the teacher's forward, replayed for batch layouts seen before.
 
-A prefill forward of a small model is bound by the host: megatron's layers launch hundreds of
-small kernels, and at 1.5B parameters the GPU waits on Python for about a third of the
-forward (docs/benchmarks.md). A CUDA graph records the forward's kernels once and replays them
-with a single launch, which also leaves the host (and the GIL) free for the result writers.
+A prefill forward launches hundreds of small kernels from Python (megatron's layers), which
+for a small model can leave the GPU waiting on the host. A CUDA graph records the forward's
+kernels once and replays them with a single launch, which also leaves the host (and the GIL)
+free for the result writers (measured gains: docs/benchmarks.md, run 2).
 
 A graph is only valid for the exact shapes it recorded: one packed layout (the segments of
 `TreeBounds`, which fix the token count and the attention calls). `GraphedForward` therefore
