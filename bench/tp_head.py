@@ -7,7 +7,7 @@ At each tensor-parallel size P in `--tp`, P spawned ranks each hold one logits s
 with log-probs and the entropy):
 
     ours:    consumer.tp_ops.head_from_logits on each rank's shard, tp_group = the world group.
-             Per row chunk, one all_gather of a few 32-bit words per row; counted by CommStats.
+             One all_gather of a few 32-bit words per row; counted by CommStats.
     gather:  dist.all_gather of the shards + torch.cat into the full [T, padded_V] logits on
              every rank (as Megatron's gather_from_tensor_model_parallel_region does), then a
              naive full-vocabulary head on rank 0's copy: fp32 log_softmax -> gather / topk /

@@ -8,9 +8,10 @@ entropy. Every output is taken
 from the tempered distribution softmax(logits * inv_temperature), with padded vocabulary columns
 (ids >= vocab_size) excluded everywhere.
 
-Per row chunk every rank reduces its own shard in fp32 to a few numbers and candidates, then one
-all_gather of O(3 + W + 2K + 3N) 32-bit words per row and rank lets every rank merge the same
-result. Working memory is O(chunk rows x V); the full [T, V] logits never need to exist.
+Chunk by chunk of rows, every rank reduces its own shard in fp32 to a few numbers and
+candidates per row; then one all_gather of O(3 + W + 2K + 3N) 32-bit words per row and rank
+lets every rank merge the same result. Working memory is O(chunk rows x V + T x (W + K + N));
+the full [T, V] logits never need to exist.
 
 Pure tensor math: imports only torch, torch.distributed and the standard library.
 
@@ -32,7 +33,7 @@ Shape legend (suffixes on tensor names):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "VocabShard",
     "chunked_head",
     "head_from_logits",
+    "sampling_exp",
     "sampling_hash",
     "stream_keys",
     "uniform_from_hash",
@@ -54,8 +56,8 @@ __all__ = [
 ]
 
 # Row chunks are sized so one fp32 [R, V] buffer holds about this many elements; the sampling
-# scratch adds 12 bytes per element (an fp32 copy in blocks and fp64 block sums) on top of the
-# 4-byte tempered logits.
+# scratch adds 16 bytes per element (an fp32 copy in blocks, its fp32 exps and their fp64
+# copies) on top of the 4-byte tempered logits.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
 # Default chunk of the fused CUDA kernels (consumer/kernels), which hold only the logits chunk.
 _FUSED_CHUNK_ELEMENTS = 1 << 27
@@ -272,13 +274,15 @@ def sampling_hash(
 
     1. Blocks: the ids are cut into blocks of SAMPLE_BLOCK consecutive GLOBAL ids (where a
        vocabulary shard starts inside a block, the two parts are separate blocks). A block b
-       with first id f has mass lse_b = log(sum of exp(z_v) over its ids), in fp64, and key
+       with first id f, largest logit m_b and mass lse_b = m_b + log(sum of E(z_v - m_b) over
+       its ids) (E: `sampling_exp`, fp32 terms summed in fp64; the log in fp64) has key
        fp32(lse_b + g(u)) with u from hash(seed, position, j, -(f + 1)); the largest key wins,
        ties to the lowest block.
     2. Inside the winning block: each id v has key z_v + fp32(g(u)) with u from
        hash(seed, position, j, v + 1); the largest wins, ties to the lowest id.
 
-    Step 1 picks block b with probability exp(lse_b) / sum exp(z) and step 2 picks v with
+    Step 1 picks block b with probability exp(lse_b) / sum exp(z) (up to E's relative error,
+    below 2e-7 + 8e-8 |y|) and step 2 picks v with
     probability exp(z_v - lse_b): v is drawn from softmax(z), with O(V / SAMPLE_BLOCK) random
     words per sample instead of O(V). Nothing depends on the batch layout or chunking, nor on
     the TP size where shards are multiples of SAMPLE_BLOCK. This function returns the words
@@ -459,6 +463,49 @@ def block_layout(start: int, valid: int) -> tuple[int, int]:
     return offset, -(-(offset + valid) // SAMPLE_BLOCK)
 
 
+# 2**f on [0, 1] as a degree-5 polynomial (Horner, highest degree first), coefficients exact in
+# fp32: a least-squares fit of the relative error at Chebyshev nodes, rounded to fp32. The
+# largest relative error of the fp32 evaluation is 1.6e-7.
+_EXP2_COEFFS = (
+    float.fromhex("0x1.ebd7dcp-10"),
+    float.fromhex("0x1.26ab44p-7"),
+    float.fromhex("0x1.c94e96p-5"),
+    float.fromhex("0x1.ebd624p-3"),
+    float.fromhex("0x1.62e4f2p-1"),
+    float.fromhex("0x1.fffffep-1"),
+)
+_LOG2E_F32 = float.fromhex("0x1.715476p+0")  # log2(e) rounded to fp32
+# Below 2**-92 (y < -63.8) a term is 0: next to the block's largest term, 1, it is far below
+# the fp64 sum's rounding, and every step above stays clear of fp32 denormals.
+_EXP2_FLOOR = -92.0
+
+
+def sampling_exp(y: torch.Tensor) -> torch.Tensor:
+    """E(y) ~ exp(y) for fp32 y <= 0 (relative error below 2e-7 + 8e-8 |y|; NaN and -inf
+    give 0), from fp32 multiplies and adds only, each rounded once, so every device and
+    library that rounds fp32 operations to nearest computes the same bits (the fused CUDA
+    kernel does: `consumer/kernels`):
+
+        t = fp32(y * log2e32);  n = floor(max(t, -93));  f = max(t, -93) - n
+        E(y) = p(f) * 2**n  where t >= -92, else 0
+
+    with p the polynomial of `_EXP2_COEFFS` evaluated by Horner's rule (multiply, then add).
+    The block masses of the samples use it (`sampling_hash`). It is cheaper on the GPU than
+    the fp64 exp it replaced, and unlike a library's fp32 exp (a hardware approximation on
+    CUDA, another on the CPU) it gives the same bits everywhere, so samples stay identical
+    across devices.
+    """
+    t = y * torch.tensor(_LOG2E_F32, dtype=torch.float32, device=y.device)
+    tc = t.clamp(min=_EXP2_FLOOR - 1)
+    n = tc.floor()
+    f = tc - n
+    p = torch.full_like(f, _EXP2_COEFFS[0])
+    for c in _EXP2_COEFFS[1:]:
+        p = p.mul_(f).add_(c)
+    scale = ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # 2**n, exact
+    return torch.where(t >= _EXP2_FLOOR, p.mul_(scale), 0.0)
+
+
 def _noise(hash_RX: torch.Tensor) -> torch.Tensor:
     """-log(-log(u)) in fp64 for the words' uniforms (consumes hash_RX)."""
     return _uniform_into(hash_RX, torch.empty_like(hash_RX)).log_().neg_().log_().neg_()
@@ -483,12 +530,15 @@ def _local_samples(
     z_RGB[:, offset : offset + valid] = z_RV[:, :valid]
     z_RGB = z_RGB.view(rows, blocks, width)
 
-    # Block masses in fp64, each relative to its own max (0 for a block with no finite logit).
+    # Block masses, each relative to its own max (0 for a block with no finite logit): fp32
+    # terms of sampling_exp, summed and logged in fp64.
     m_RG = z_RGB.amax(dim=2)
     live_RG = m_RG > _NEG_INF
-    m_RG = torch.where(live_RG, m_RG, 0.0).double()
-    lse_RG = (z_RGB.double() - m_RG[:, :, None]).exp_().sum(dim=2).log_().add_(m_RG)
+    m_RG = torch.where(live_RG, m_RG, 0.0)
+    e_RGB = sampling_exp(z_RGB - m_RG[:, :, None])
+    lse_RG = e_RGB.double().sum(dim=2).log_().add_(m_RG.double())
     lse_RG = torch.where(live_RG, lse_RG, _NEG_INF)
+    del e_RGB
 
     local_G = (torch.arange(blocks, device=device) * width - offset).clamp_(min=0)
     bgamma_G = (-(local_G + shard.start + 1)).mul_(_GAMMA_S)  # counter -(first id + 1)
@@ -533,7 +583,7 @@ def _as_words(x_RX: torch.Tensor) -> torch.Tensor:
 
 
 class LocalReduction(NamedTuple):
-    """What one rank contributes per row of a chunk before the exchange (see _head_chunk).
+    """What one rank contributes per row before the exchange (see _exchange).
 
     Sums are relative to the row's finite local max (0 when it has none) and leave out the
     local top-k candidates, which travel themselves. `overflow_R` (fused kernels only) marks
@@ -634,30 +684,12 @@ def _fused_backend(device: torch.device):  # -> the consumer.kernels module or N
     return triton_kernels(device) if FUSED_KERNELS else None
 
 
-def _head_chunk(
-    req: _Request,
-    logits_RV: torch.Tensor,
-    target_ids_RW: torch.Tensor,
-    inv_temperature_R: torch.Tensor,
-    keys_RN: torch.Tensor | None,
-    fused=None,  # the consumer.kernels module, or None for the reference path
+def _exchange(
+    req: _Request, local: LocalReduction, w: int
 ) -> tuple[HeadOutputs, torch.Tensor, torch.Tensor | None]:
-    """Outputs for one row chunk, a [R] mask of rows whose logits were unusable, and (fused
-    path only) a [R] mask of rows the kernels could not finish exactly."""
-    local = None
-    if fused is not None:
-        # None: a chunk shape the kernels do not cover; the reference path takes it.
-        local = fused.local_reduce(
-            logits_RV=logits_RV,
-            shard=req.shard,
-            target_ids_RW=target_ids_RW,
-            inv_temperature_R=inv_temperature_R,
-            keys_RN=keys_RN,
-            top_k=req.top_k,
-            want_entropy=req.want_entropy,
-        )
-    if local is None:
-        local = _local_reduce(req, logits_RV, target_ids_RW, inv_temperature_R, keys_RN)
+    """Every rank's LocalReduction gathered and merged: the outputs, a [R] mask of rows whose
+    logits were unusable, and (fused kernels only) a [R] mask of rows the kernels could not
+    finish exactly."""
     payload_RD = torch.cat(
         [
             _as_words(local.stats_R3),
@@ -671,7 +703,7 @@ def _head_chunk(
         dim=1,
     )
     gathered_PRD = _all_gather_rows(payload_RD, req)
-    out, bad_R = _merge(req, gathered_PRD, target_ids_RW.shape[1])
+    out, bad_R = _merge(req, gathered_PRD, w)
     return out, bad_R, local.overflow_R
 
 
@@ -829,45 +861,45 @@ def _run_chunks(
     w = target_ids_TW.shape[1]
     req = _Request(shard, tp_group, rank, tp_size, top_k, sample_n, want_entropy, call.comm)
 
-    def f32(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-
-    def i64(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.int64, device=device)
-
-    out = HeadOutputs(
-        target_logprobs_TW=f32(rows, w),
-        topk_ids_TK=i64(rows, top_k),
-        topk_logprobs_TK=f32(rows, top_k),
-        topk_rest_logprob_T=f32(rows),
-        sample_ids_TN=i64(rows, sample_n),
-        sample_logprobs_TN=f32(rows, sample_n),
-        entropy_T=f32(rows) if want_entropy else None,
-    )
     keys_TN = None
     if sample_n:
         assert seed_T is not None and position_T is not None  # checked above
         keys_TN = stream_keys(seed_T=seed_T, position_T=position_T, sample_n=sample_n)
-    bad_T = torch.zeros(rows, dtype=torch.bool, device=device)
-    over_T = torch.zeros(rows, dtype=torch.bool, device=device) if fused is not None else None
 
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        part, bad_R, over_R = _head_chunk(
-            req,
-            call.logits_chunk(r0, r1),
-            target_ids_TW[r0:r1],
-            inv_temperature_T[r0:r1],
-            None if keys_TN is None else keys_TN[r0:r1],
-            fused,
+    # Each rank reduces its shard chunk by chunk to a few numbers per row, then one exchange
+    # and merge covers every row. The kernels may decline a call (then None): the reference
+    # path serves it, with the same single exchange, so ranks on different paths still meet
+    # in the same collectives.
+    local = None
+    if fused is not None:
+        local = fused.local_reduce(
+            logits_chunk=call.logits_chunk,
+            rows=rows,
+            chunk_rows=step,
+            shard=shard,
+            target_ids_TW=target_ids_TW,
+            inv_temperature_T=inv_temperature_T,
+            keys_TN=keys_TN,
+            top_k=top_k,
+            want_entropy=want_entropy,
         )
-        for f in fields(out):
-            dst = getattr(out, f.name)
-            if dst is not None:
-                dst[r0:r1] = getattr(part, f.name)
-        bad_T[r0:r1] = bad_R
-        if over_T is not None and over_R is not None:
-            over_T[r0:r1] = over_R
+    if local is None:
+        chunks = [
+            _local_reduce(
+                req,
+                call.logits_chunk(r0, min(rows, r0 + step)),
+                target_ids_TW[r0 : r0 + step],
+                inv_temperature_T[r0 : r0 + step],
+                None if keys_TN is None else keys_TN[r0 : r0 + step],
+            )
+            for r0 in range(0, rows, step) or [0]  # one empty chunk for no rows
+        ]
+        local = LocalReduction(
+            *(torch.cat(parts) for parts in list(zip(*chunks, strict=True))[:-1])
+        )
+    out, bad_T, over_T = _exchange(req, local, w)
+    if over_T is None and fused is not None:
+        over_T = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def on_reference_path() -> HeadOutputs:
         return _run_chunks(call, allow_fused=False)

@@ -2,31 +2,49 @@
 
 The reference path (`tp_ops._local_reduce`) materialises z = fp32(logits * inv_temperature)
 as an [R, V] tensor and runs a dozen full-size passes over it (max, gather, top-k with a tie
-fix, exp, scatter, sums, entropy), plus ~30 per sample. Here each pass reads the logits chunk
-in its own dtype and keeps only per-row numbers:
+fix, exp, scatter, sums, entropy), plus ~30 per sample. Here the logits chunk is read once in
+its own dtype, and a second time only where the top-k can lie:
 
-1. (top-k only) `_group_max_kernel`: the max of z over G = BLOCK_V residue classes of the
-   columns, kept as an elementwise running max (no data moves between threads). The k-th
-   largest of these G maxima, t0, is a lower bound of the k-th largest z (k distinct columns
-   reach it), so the top-k lies among the columns with z >= t0: with G = 2048 groups of ~75
-   columns, barely more than k of a 150k vocabulary.
-2. `_sums_kernel`: an online (rescaled) running max, the sum of exp(z - max) and of
-   exp(z - max) * (z - max) over the columns below t0, and the columns at or above t0
-   appended to a small candidate buffer through an atomic counter (they are rare, so the
-   atomics cost nothing; their order is arbitrary and is fixed by step 3).
-3. PyTorch on the candidates only: one sort by unique 64-bit order keys (value desc, id asc)
+1. `_row_pass_kernel` streams each row (in a few parts, so the device fills up) in the
+   sampling blocks of tp_ops (SAMPLE_BLOCK global ids; `tp_ops.block_layout`). Per block b
+   it takes the max m_b, the mass s_b = sum exp(z - m_b) and, for the entropy,
+   u_b = sum exp(z - m_b) * (z - m_b); it folds them into the row's max and sums (rescaled
+   as the max grows) and, with top-k, stores them ([R, G] each, G ~ V / 128) along with the
+   max over each residue class of the columns modulo the step's width (BLOCKS x 128
+   classes, kept elementwise).
+   Samples: the definition's block keys need an fp32-exact exp summed in fp64
+   (`tp_ops.sampling_exp`), three times the work of the rest of the pass. So each sample
+   picks its block by fast keys (the fp32 masses above, the noise's outer log in fp32),
+   keeping the two best; a fast key lies within 4e-5 + 4e-7 |key| of the exact one (error
+   bounds of the hardware exp and log, of both exps against exp, of fp32 sums of 128 terms
+   and of the roundings), so when the best leads by more than twice that (`gumbel.margin`, with room
+   to spare) it is the definition's block. Otherwise (a gap that small has a probability
+   of about 2e-4 per sample) the program reads its part again for the exact keys. Either
+   way the block's exact key and the draw inside it come from one more read of that block
+   (`gumbel.draw_in_block`).
+2. (top-k) t0, the k-th largest of the class maxima, is at most the k-th largest z
+   (k distinct columns reach it), so the top-k lies among the columns >= t0: barely more
+   than k of them, as the classes interleave (top ids that cluster in a few blocks still fall
+   in distinct classes). Only blocks whose max reaches t0 hold such columns.
+   The candidates kernel below finds t0 itself (a sort of the class maxima).
+3. `_candidates_kernel` reads the blocks' (m_b, s_b, u_b) a tile at a time, lists the blocks
+   that reach t0 and reads their columns only: the columns >= t0 go to a small candidate
+   buffer through an atomic counter (their order is fixed by step 4), the others add to the
+   rest sums, to which every other block adds its (s_b, u_b), rescaled to the row's max.
+4. PyTorch on the candidates only: one sort by unique 64-bit order keys (value desc, id asc)
    gives the exact top-k and a deterministic order for the candidates outside it, whose mass
    is added back so the rest mass stays a sum of positive terms as in the reference.
-4. `gumbel.gumbel_argmax` for the samples.
 
-Candidate buffers hold CAP columns per row and split; a row with more columns at or above t0
-(hundreds of columns tied at the threshold) is flagged in `overflow_R` and tp_ops redoes
-the call on the reference path. Values agree with the reference to fp32 rounding (the sums run
-in another order); ids (top-k and samples) agree exactly.
+A row with more than `cap` candidates (hundreds of columns tied at t0) is flagged in
+`overflow_R` and tp_ops redoes the call on the reference path; a chunk with k above the
+number of classes or the shard's real columns is not taken (local_reduce returns None).
+Values agree with the reference to fp32 rounding (sums run in another order, with another
+exp); ids (top-k and samples) agree exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,16 +52,27 @@ import triton
 import triton.language as tl
 
 from consumer import tp_ops
-from consumer.kernels.gumbel import gumbel_argmax
+from consumer.kernels.gumbel import (
+    block_noise,
+    draw_in_block,
+    exact_lse,
+    fast_block_noise,
+    interpreting,
+    margin,
+)
 
 
 @dataclass
 class RowStatsConfig:
     """Launch shape; benchmarks may change the module's `CONFIG`."""
 
-    block_v: int = 2048  # columns per iteration; also the residue classes of step 1 (>= k)
-    cap: int = 256  # candidate slots per row and split
-    target_programs: int = 2048  # split rows' columns until about this many programs run
+    blocks_per_step: int = 8  # sampling blocks streamed per iteration (power of 2)
+    samples_per_program: int = 16  # samples sharing one pass over a row (power of 2)
+    cap: int = 256  # candidate slots per row (at least 2 k)
+    target_programs: int = 4096  # split rows into parts until about this many programs run
+    # Multiplies the margin that lets a fast block choice stand (tests: inf re-reads every
+    # part exactly, 0 never does). Below 1 the samples may differ from the definition.
+    sample_margin: float = 1.0
     num_warps: int = 4
 
 
@@ -51,247 +80,482 @@ CONFIG = RowStatsConfig()
 
 
 @triton.jit
-def _group_max_kernel(
+def _row_pass_kernel(
     logits_ptr,
     stride_r,
     inv_ptr,
-    out_ptr,
+    keys_ptr,
+    stats_ptr,
+    bm_ptr,
+    bs_ptr,
+    bu_ptr,
+    gmax_ptr,
+    skey_ptr,
+    sid_ptr,
+    sz_ptr,
     valid,
+    start,
+    offset,
+    n_blocks,
     span,
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    inv = tl.load(inv_ptr + row)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_r
-    offs = tl.arange(0, BLOCK_V)
-    lo = split * span
-    hi = tl.minimum(lo + span, valid)
-    # span is a multiple of BLOCK_V, so position i of every block is column class i % BLOCK_V.
-    gmax = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    for c0 in range(lo, hi, BLOCK_V):
-        cols = c0 + offs
-        cm = cols < hi
-        x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        gmax = tl.maximum(gmax, tl.where(cm, x * inv, float("-inf")))
-    tl.store(out_ptr + (row * tl.num_programs(1) + split) * BLOCK_V + offs, gmax)
-
-
-@triton.jit
-def _sums_kernel(
-    logits_ptr,
-    stride_r,
-    inv_ptr,
-    t0_ptr,
-    m_ptr,
-    s_ptr,
-    u_ptr,
-    cz_ptr,
-    cid_ptr,
-    count_ptr,
-    valid,
-    span,
-    cap,
-    HAS_CAND: tl.constexpr,
+    n_samples,
+    margin_scale,
+    NS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SAMPLES: tl.constexpr,
     WANT_U: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    STORE_BLOCKS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
+    # Program (row, split, p): blocks [split * span, + span) of the row, samples [p * NS, + NS).
     row = tl.program_id(0)
     split = tl.program_id(1)
     part = row * tl.num_programs(1) + split
+    lead = tl.program_id(2) == 0  # the split's first program stores what is not per sample
     inv = tl.load(inv_ptr + row)
-    if HAS_CAND:
-        t0 = tl.load(t0_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_r
-    offs = tl.arange(0, BLOCK_V)
-    lo = split * span
-    hi = tl.minimum(lo + span, valid)
+    bs = tl.arange(0, BLOCKS)
+    ws = tl.arange(0, WIDTH)
+    if SAMPLES:
+        js = tl.program_id(2) * NS + tl.arange(0, NS)
+        jm = js < n_samples
+        skey = tl.load(keys_ptr + row * n_samples + js, mask=jm, other=0)
+        best = tl.full([NS], float("-inf"), tl.float32)  # best fast key
+        second = tl.full([NS], float("-inf"), tl.float32)  # the next best
+        best_block = tl.zeros([NS], tl.int32)  # block 0 stands when every key is -inf
 
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    u = tl.zeros([], tl.float32)
+    m_row = tl.full([], float("-inf"), tl.float32)
+    if STORE_BLOCKS:
+        gmax = tl.full([BLOCKS, WIDTH], float("-inf"), tl.float32)  # per residue class
+    s_row = tl.zeros([], tl.float32)
+    u_row = tl.zeros([], tl.float32)
     n_bad = tl.zeros([], tl.int32)
-    for c0 in range(lo, hi, BLOCK_V):
-        cols = c0 + offs
-        cm = cols < hi
+    lo = split * span
+    hi = tl.minimum(lo + span, n_blocks)
+    for b0 in range(lo, hi, BLOCKS):
+        blk = b0 + bs
+        cols = blk[:, None] * WIDTH - offset + ws[None, :]  # local columns, [BLOCKS, WIDTH]
+        cm = (cols >= 0) & (cols < valid)
         x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
         z = tl.where(cm, x * inv, float("-inf"))
         # NaN and +inf: the reference's max turns NaN/inf and the merge flags the row; the
-        # max here ignores NaN, so they are counted and the max is poisoned at the end.
-        n_bad += tl.sum((cm & ~(z < float("inf"))).to(tl.int32), axis=0)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        # Sums are kept relative to the running max (0 while there is no finite one), as the
-        # reference keeps them relative to the final one; rescale when the max grows.
-        ref_old = tl.where(m > float("-inf"), m, 0.0)
-        ref_new = tl.where(m_new > float("-inf"), m_new, 0.0)
-        # s > 0 implies a finite old max <= the new one, so exp never overflows here.
-        alpha = tl.where(s > 0, tl.exp(ref_old - ref_new), 0.0)
-        if HAS_CAND:
-            cand = cm & (z >= t0)
-            below = cm & (z < t0)
+        # max here may ignore NaN, so they are counted and the row's max is poisoned.
+        n_bad += tl.sum(tl.sum((cm & ~(z < float("inf"))).to(tl.int32), axis=1), axis=0)
+        m = tl.max(z, axis=1)
+        live = m > float("-inf")
+        ref = tl.where(live, m, 0.0)  # sums relative to the block's max, 0 if it has none
+        y = z - ref[:, None]
+        e = tl.exp(y)
+        s = tl.sum(e, axis=1)
+        # exp(-inf) * -inf is NaN; such columns add nothing.
+        if WANT_U:  # noqa: SIM108 - a constexpr branch: Triton compiles only the side taken
+            u = tl.sum(tl.where(e > 0, e * y, 0.0), axis=1)
         else:
-            below = cm
-        y = z - ref_new
-        e = tl.where(below, tl.exp(y), 0.0)
+            u = tl.zeros_like(s)
+        if STORE_BLOCKS:
+            at = row * n_blocks + blk
+            keep = (blk < n_blocks) & (blk < lo + span) & lead
+            tl.store(bm_ptr + at, m, mask=keep)
+            tl.store(bs_ptr + at, s, mask=keep)
+            tl.store(bu_ptr + at, u, mask=keep)
+            gmax = tl.maximum(gmax, z)
+
+        # The row's sums, relative to its running max (0 while there is no finite one).
+        m_new = tl.maximum(m_row, tl.max(m, axis=0))
+        ref_old = tl.where(m_row > float("-inf"), m_row, 0.0)
+        ref_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+        # s_row > 0 implies a finite old max <= the new one, so exp never overflows here.
+        alpha = tl.where(s_row > 0, tl.exp(ref_old - ref_new), 0.0)
+        w = tl.where(live, tl.exp(ref - ref_new), 0.0)
         if WANT_U:
-            # exp(-inf) * -inf is NaN; such columns add nothing.
+            u_new = tl.sum(w * (u + (ref - ref_new) * s), axis=0)
+            u_row = alpha * (u_row + (ref_old - ref_new) * s_row) + u_new
+        s_row = alpha * s_row + tl.sum(w * s, axis=0)
+        m_row = m_new
+
+        if SAMPLES:
+            # Fast keys: the block masses above (fp32, hardware exp and log) plus the noise
+            # with its outer log in fp32.
+            lse = tl.where(live, ref + tl.log(s), float("-inf"))
+            noise = fast_block_noise(skey[:, None], blk[None, :], start, offset, WIDTH, INTERPRET)
+            key = lse[None, :] + noise
+            key = tl.where((blk < n_blocks)[None, :], key, float("-inf"))  # [NS, BLOCKS]
+            step_best = tl.max(key, axis=1)
+            step_arg = tl.argmax(key, axis=1, tie_break_left=True)
+            step_second = tl.max(tl.where(bs[None, :] == step_arg[:, None], float("-inf"), key), 1)
+            # Strictly greater: an equal key in a later block loses.
+            better = step_best > best
+            second = tl.where(better, tl.maximum(best, step_second), tl.maximum(second, step_best))
+            best = tl.where(better, step_best, best)
+            best_block = tl.where(better, b0 + step_arg, best_block)
+
+    tl.store(stats_ptr + part * 3, tl.where(n_bad > 0, float("nan"), m_row), mask=lead)
+    tl.store(stats_ptr + part * 3 + 1, s_row, mask=lead)
+    tl.store(stats_ptr + part * 3 + 2, u_row, mask=lead)
+    if STORE_BLOCKS:
+        at = part * BLOCKS * WIDTH + bs[:, None] * WIDTH + ws[None, :]
+        tl.store(gmax_ptr + at, gmax, mask=lead)
+    if SAMPLES:
+        # A fast key is within half the margin of the exact one, so a fast winner ahead by
+        # more than the margin is the exact winner. Otherwise (rare) this part's blocks are
+        # read again for their exact keys.
+        close = jm & (best - second <= margin_scale * margin(best))
+        if tl.max(close.to(tl.int32), axis=0) > 0:
+            best = tl.full([NS], float("-inf"), tl.float32)
+            best_block = tl.zeros([NS], tl.int32)
+            for b0 in range(lo, hi, BLOCKS):
+                blk = b0 + bs
+                cols = blk[:, None] * WIDTH - offset + ws[None, :]
+                cm = (cols >= 0) & (cols < valid)
+                x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                lse = exact_lse(tl.where(cm, x * inv, float("-inf")), INTERPRET)
+                noise = block_noise(skey[:, None], blk[None, :], start, offset, WIDTH, INTERPRET)
+                key = (lse[None, :] + noise).to(tl.float32)
+                key = tl.where((blk < n_blocks)[None, :], key, float("-inf"))
+                step_best = tl.max(key, axis=1)
+                step_arg = tl.argmax(key, axis=1, tie_break_left=True)
+                better = step_best > best
+                best = tl.where(better, step_best, best)
+                best_block = tl.where(better, b0 + step_arg, best_block)
+        key, col, win_z = draw_in_block(
+            row_ptr, inv, skey, best_block, jm, valid, start, offset, WIDTH, INTERPRET
+        )
+        out = part * n_samples + js
+        tl.store(skey_ptr + out, tl.where(best > float("-inf"), key, best), mask=jm)
+        tl.store(sid_ptr + out, col.to(tl.int64) + start, mask=jm)
+        tl.store(sz_ptr + out, win_z, mask=jm)
+
+
+@triton.jit
+def _candidates_kernel(
+    logits_ptr,
+    stride_r,
+    inv_ptr,
+    stats_ptr,
+    gmax_ptr,
+    bm_ptr,
+    bs_ptr,
+    bu_ptr,
+    sel_ptr,
+    cz_ptr,
+    cid_ptr,
+    count_ptr,
+    rest_ptr,
+    valid,
+    offset,
+    n_blocks,
+    parts,
+    k,
+    cap,
+    BLOCKS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    TILE: tl.constexpr,
+    WANT_U: tl.constexpr,
+):
+    row = tl.program_id(0)
+    inv = tl.load(inv_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_r
+    # Step 2: the row's max over its parts (sums are relative to it, or to 0 if it is not
+    # finite) and t0, the k-th largest of the class maxima (max over parts as well: a class
+    # is the same columns' residue in every part, so classes stay disjoint).
+    m = tl.full([], float("-inf"), tl.float32)
+    gmax = tl.full([BLOCKS * WIDTH], float("-inf"), tl.float32)
+    xs = tl.arange(0, BLOCKS * WIDTH)
+    for p in range(0, parts):
+        m = tl.maximum(m, tl.load(stats_ptr + (row * parts + p) * 3))
+        gmax = tl.maximum(gmax, tl.load(gmax_ptr + (row * parts + p) * BLOCKS * WIDTH + xs))
+    ref = tl.where((m > float("-inf")) & (m < float("inf")), m, 0.0)
+    t0 = tl.sum(tl.where(xs == k - 1, tl.sort(gmax, descending=True), 0.0), axis=0)
+
+    # Step 3a, TILE blocks at a time: a block whose max stays below t0 adds its sums from
+    # step 1, rescaled to the row's max; the others (a few in a row) are listed in sel.
+    s = tl.zeros([], tl.float32)
+    u = tl.zeros([], tl.float32)
+    n_sel = tl.zeros([], tl.int32)
+    ts = tl.arange(0, TILE)
+    for b0 in range(0, n_blocks, TILE):
+        blk = b0 + ts
+        at = row * n_blocks + blk
+        inside = blk < n_blocks
+        bm = tl.load(bm_ptr + at, mask=inside, other=float("-inf"))
+        bsum = tl.load(bs_ptr + at, mask=inside, other=0.0)
+        reach = inside & (bm >= t0)
+        keep = ~reach & (bsum > 0)
+        shift = tl.where(keep, bm - ref, 0.0)
+        w = tl.where(keep, tl.exp(shift), 0.0)
+        s += tl.sum(w * bsum, axis=0)
+        if WANT_U:
+            bu = tl.load(bu_ptr + at, mask=inside, other=0.0)
+            u += tl.sum(w * (bu + shift * bsum), axis=0)
+        slot = n_sel + tl.cumsum(reach.to(tl.int32), axis=0) - 1
+        tl.store(sel_ptr + row * n_blocks + slot, blk, mask=reach)
+        n_sel += tl.sum(reach.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the list is read back by other threads of this program
+
+    # Step 3b: the listed blocks, column by column.
+    bs = tl.arange(0, BLOCKS)
+    ws = tl.arange(0, WIDTH)
+    for i0 in range(0, n_sel, BLOCKS):
+        i = i0 + bs
+        im = i < n_sel
+        blk = tl.load(sel_ptr + row * n_blocks + i, mask=im, other=0)
+        cols = blk[:, None] * WIDTH - offset + ws[None, :]
+        cm = im[:, None] & (cols >= 0) & (cols < valid)
+        x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        z = tl.where(cm, x * inv, float("-inf"))
+        cand = cm & (z >= t0)
+        below = cm & (z < t0)
+        y = z - ref
+        e = tl.where(below, tl.exp(y), 0.0)
+        s += tl.sum(tl.sum(e, axis=1), axis=0)
+        if WANT_U:
             ey = tl.where(below & (z > float("-inf")), e * y, 0.0)
-            u = alpha * (u + (ref_old - ref_new) * s) + tl.sum(ey, axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
-        m = m_new
-        if HAS_CAND:
-            # One atomic per candidate on this (row, split)'s counter, which starts at 0: the
-            # old value is the candidate's slot.
-            slot = tl.atomic_add(count_ptr + part + offs * 0, 1, mask=cand)
-            keep = cand & (slot < cap)
-            tl.store(cz_ptr + part * cap + slot, z, mask=keep)
-            tl.store(cid_ptr + part * cap + slot, cols, mask=keep)
-    tl.store(m_ptr + part, tl.where(n_bad > 0, float("nan"), m))
-    tl.store(s_ptr + part, s)
-    tl.store(u_ptr + part, u)
+            u += tl.sum(tl.sum(ey, axis=1), axis=0)
+        # One atomic per candidate on the row's counter, which starts at 0: the old value is
+        # the candidate's slot.
+        slot = tl.atomic_add(count_ptr + row + cols * 0, 1, mask=cand)
+        fits = cand & (slot < cap)
+        tl.store(cz_ptr + row * cap + slot, z, mask=fits)
+        tl.store(cid_ptr + row * cap + slot, cols, mask=fits)
+    tl.store(rest_ptr + row * 2, s)
+    tl.store(rest_ptr + row * 2 + 1, u)
 
 
-def _splits(rows: int, valid: int, block_v: int) -> tuple[int, int]:
-    """(splits per row, columns per split): enough programs to fill the device, each split a
-    multiple of block_v columns."""
+@dataclass(frozen=True)
+class _Layout:
+    """How step 1 covers a shard's rows: parts per row, blocks per part, sample programs."""
+
+    offset: int  # tp_ops.block_layout
+    n_blocks: int
+    span: int  # blocks per part, whole steps
+    parts: int
+    ns: int  # samples per program
+    per_row: int  # sample programs per part
+    classes: int  # residue classes of step 1
+
+    @staticmethod
+    def of(start: int, valid: int, chunk_rows: int, n: int) -> _Layout:
+        cfg = CONFIG
+        offset, n_blocks = tp_ops.block_layout(start, valid)
+        ns = min(cfg.samples_per_program, triton.next_power_of_2(n)) if n else 1
+        per_row = triton.cdiv(n, ns) if n else 1
+        steps = triton.cdiv(n_blocks, cfg.blocks_per_step)
+        want = max(1, min(triton.cdiv(cfg.target_programs, max(chunk_rows * per_row, 1)), steps))
+        span = triton.cdiv(steps, want) * cfg.blocks_per_step
+        classes = cfg.blocks_per_step * tp_ops.SAMPLE_BLOCK
+        return _Layout(offset, n_blocks, span, triton.cdiv(n_blocks, span), ns, per_row, classes)
+
+
+def _row_pass(
+    logits_RV: torch.Tensor,
+    inv_R: torch.Tensor,
+    keys_RN: torch.Tensor | None,
+    lay: _Layout,
+    *,
+    start: int,
+    valid: int,
+    want_entropy: bool,
+    out: dict[str, torch.Tensor],
+) -> None:
+    """Step 1 over a chunk's rows into `out`: stats [R, P, 3], samples skey/sid/sz [R, P, N]
+    and, with "bm" present, the block stats bm/bs/bu [R, G] and class maxima gmax [R, P, X]."""
+    rows = logits_RV.shape[0]
+    n = 0 if keys_RN is None else keys_RN.shape[1]
+    stats = out["stats"]
+    store_blocks = "bm" in out
+    blocks = [out[key] if store_blocks else stats for key in ("bm", "bs", "bu", "gmax")]
+    samples = [out[key] if n else stats for key in ("skey", "sid", "sz")]
     cfg = CONFIG
-    want = max(1, min(triton.cdiv(cfg.target_programs, max(rows, 1)), triton.cdiv(valid, block_v)))
-    span = triton.cdiv(triton.cdiv(valid, want), block_v) * block_v
-    return triton.cdiv(valid, span), span
+    _row_pass_kernel[(rows, lay.parts, lay.per_row)](
+        logits_RV, logits_RV.stride(0), inv_R,
+        stats if keys_RN is None or not n else keys_RN,  # unused tensors: any pointer
+        stats, *blocks, *samples,
+        valid, start, lay.offset, lay.n_blocks, lay.span, n, cfg.sample_margin,
+        NS=lay.ns, BLOCKS=cfg.blocks_per_step, WIDTH=tp_ops.SAMPLE_BLOCK,
+        SAMPLES=n > 0, WANT_U=want_entropy, STORE_BLOCKS=store_blocks,
+        INTERPRET=interpreting(), num_warps=cfg.num_warps,
+        # The samples' arithmetic must round as the reference does (see gumbel).
+        enable_fp_fusion=n == 0,
+    )  # fmt: skip
 
 
-def _combine_splits(
-    m_RS: torch.Tensor, s_RS: torch.Tensor, u_RS: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-split (max, sum, entropy sum) -> per-row, relative to the row's finite max."""
-    m_R = m_RS.amax(dim=1)
+def _merge_parts(
+    out: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: stats [R, 3] and the samples (key, id, z) [R, N] from the parts of step 1,
+    merged as tensor-parallel shards are: sums rescaled to the row's max, each sample from
+    the part with the best key (ties to the lower id, so to the lower block, as defined)."""
+    stats_RP3, skey_RPN, sid_RPN, sz_RPN = (out[k] for k in ("stats", "skey", "sid", "sz"))
+    if stats_RP3.shape[1] == 1:
+        return stats_RP3[:, 0], skey_RPN[:, 0], sid_RPN[:, 0], sz_RPN[:, 0]
+    m_RP, s_RP, u_RP = stats_RP3.unbind(dim=2)
+    m_R = m_RP.amax(dim=1)  # NaN from a part with NaN or +inf stays
     ref_R = torch.where(torch.isfinite(m_R), m_R, 0.0)
-    ref_RS = torch.where(torch.isfinite(m_RS), m_RS, 0.0)
-    live_RS = s_RS > 0
-    shift_RS = torch.where(live_RS, ref_RS - ref_R[:, None], 0.0)
-    w_RS = torch.where(live_RS, torch.exp(shift_RS), 0.0)
-    s_R = (w_RS * s_RS).sum(dim=1)
-    u_R = (w_RS * (u_RS + shift_RS * s_RS)).sum(dim=1)
-    return m_R, s_R, u_R
+    ref_RP = torch.where(torch.isfinite(m_RP), m_RP, 0.0)
+    live_RP = s_RP > 0
+    shift_RP = torch.where(live_RP, ref_RP - ref_R[:, None], 0.0)
+    w_RP = torch.where(live_RP, torch.exp(shift_RP), 0.0)
+    s_R = (w_RP * s_RP).sum(dim=1)
+    u_R = (w_RP * (u_RP + shift_RP * s_RP)).sum(dim=1)
+    best_R1N = tp_ops._order_key(skey_RPN, sid_RPN).argmax(dim=1, keepdim=True)
+    skey_RN, sid_RN, sz_RN = (t.gather(1, best_R1N).squeeze(1) for t in (skey_RPN, sid_RPN, sz_RPN))
+    return torch.stack([m_R, s_R, u_R], dim=1), skey_RN, sid_RN, sz_RN
+
+
+def _step1_buffers(
+    rows: int, lay: _Layout, n: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    def f32(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    return {
+        "stats": f32(rows, lay.parts, 3),
+        "skey": f32(rows, lay.parts, n),
+        "sid": torch.empty((rows, lay.parts, n), dtype=torch.int64, device=device),
+        "sz": f32(rows, lay.parts, n),
+    }
+
+
+def gumbel_argmax(
+    *,
+    logits_RV: torch.Tensor,
+    inv_temperature_R: torch.Tensor,
+    keys_RN: torch.Tensor,
+    start: int,
+    valid: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (row, sample): the best Gumbel key over the first `valid` columns, its global id
+    (`start` + column) and its tempered logit; what `tp_ops._local_samples` returns.
+
+    logits_RV: [R, >= valid] float logits; inv_temperature_R: [R]; keys_RN: int64 [R, N]
+    stream keys (`tp_ops.stream_keys`). Requires valid >= 1.
+    """
+    rows, n = keys_RN.shape
+    if logits_RV.stride(1) != 1:
+        logits_RV = logits_RV.contiguous()
+    lay = _Layout.of(start, valid, rows, n)
+    out = _step1_buffers(rows, lay, n, logits_RV.device)
+    if rows:
+        _row_pass(
+            logits_RV, inv_temperature_R.float().contiguous(), keys_RN.contiguous(), lay,
+            start=start, valid=valid, want_entropy=False, out=out,
+        )  # fmt: skip
+    _, skey_RN, sid_RN, sz_RN = _merge_parts(out)
+    return skey_RN, sid_RN, sz_RN
 
 
 def local_reduce(
     *,
-    logits_RV: torch.Tensor,
+    logits_chunk: Callable[[int, int], torch.Tensor],
+    rows: int,
+    chunk_rows: int,
     shard: tp_ops.VocabShard,
-    target_ids_RW: torch.Tensor,
-    inv_temperature_R: torch.Tensor,
-    keys_RN: torch.Tensor | None,
+    target_ids_TW: torch.Tensor,
+    inv_temperature_T: torch.Tensor,
+    keys_TN: torch.Tensor | None,
     top_k: int,
     want_entropy: bool,
 ) -> tp_ops.LocalReduction | None:
-    """This rank's contribution for a row chunk, as `tp_ops._local_reduce` computes it.
+    """This rank's contribution for all `rows`, as `tp_ops._local_reduce` computes it for a
+    chunk. The logits come in row chunks of `chunk_rows` from `logits_chunk(r0, r1)` (each
+    [r1 - r0, shard.size]); the kernels keep per-row results only, so the PyTorch work that
+    follows them runs once for all rows.
 
-    Returns None for chunks the kernels do not take (a shard with fewer real columns than k
-    or none at all); the caller then uses the reference path.
+    Returns None for calls the kernels do not take (a shard with fewer real columns than k
+    or none at all, or k above the residue classes of step 1); the caller then uses the
+    reference path.
     """
-    rows, width = logits_RV.shape
-    valid = shard.valid_size
-    k_local = min(top_k, width)
-    if valid == 0 or valid < k_local or k_local > CONFIG.block_v:
+    width, valid = shard.size, shard.valid_size
+    k = min(top_k, width)
+    n = 0 if keys_TN is None else keys_TN.shape[1]
+    lay = _Layout.of(shard.start, valid, min(chunk_rows, rows), n)
+    if rows == 0 or valid == 0 or valid < k or k > lay.classes:
         return None
-    device = logits_RV.device
-    if logits_RV.stride(1) != 1:
-        logits_RV = logits_RV.contiguous()
-    inv_R = inv_temperature_R.float().contiguous()
+    device = inv_temperature_T.device
+    inv_T = inv_temperature_T.float().contiguous()
+    keys = None if keys_TN is None or not n else keys_TN.contiguous()
+    out = _step1_buffers(rows, lay, n, device)
+    w = target_ids_TW.shape[1]
+    tz_TW = torch.empty((rows, w), dtype=torch.float32, device=device)
+    if k:
+        cap = max(CONFIG.cap, 2 * k)
+        cz_TC = torch.empty((rows, cap), dtype=torch.float32, device=device)
+        cid_TC = torch.empty((rows, cap), dtype=torch.int32, device=device)
+        count_T = torch.zeros(rows, dtype=torch.int32, device=device)
+        rest_T2 = torch.empty((rows, 2), dtype=torch.float32, device=device)
+        step_rows = min(chunk_rows, rows)
+        scratch = {
+            key: torch.empty(shape, dtype=torch.float32, device=device)
+            for key, shape in (
+                ("bm", (step_rows, lay.n_blocks)),
+                ("bs", (step_rows, lay.n_blocks)),
+                ("bu", (step_rows, lay.n_blocks)),
+                ("gmax", (step_rows, lay.parts, lay.classes)),
+            )
+        }
+        sel_RG = torch.empty((step_rows, lay.n_blocks), dtype=torch.int32, device=device)
 
-    # Targets: the reference gathers from fp32(logits * inv); the same product here.
-    local_RW = target_ids_RW - shard.start
-    owned_RW = (local_RW >= 0) & (local_RW < valid)
-    tz_RW = logits_RV.gather(1, local_RW.clamp(0, width - 1)).float() * inv_R[:, None]
-    tz_RW = torch.where(owned_RW, tz_RW, tp_ops._NEG_INF)
-
-    if keys_RN is not None and keys_RN.shape[1]:
-        skey_RN, sid_RN, sz_RN = gumbel_argmax(
-            logits_RV=logits_RV, inv_temperature_R=inv_R, keys_RN=keys_RN,
-            start=shard.start, valid=valid,
+    for r0 in range(0, rows, chunk_rows):
+        r1 = min(rows, r0 + chunk_rows)
+        logits_RV = logits_chunk(r0, r1)
+        if logits_RV.stride(1) != 1:
+            logits_RV = logits_RV.contiguous()
+        # Targets: the reference gathers from fp32(logits * inv); the same product here.
+        local_RW = target_ids_TW[r0:r1] - shard.start
+        owned_RW = (local_RW >= 0) & (local_RW < valid)
+        tz_RW = logits_RV.gather(1, local_RW.clamp(0, width - 1)).float() * inv_T[r0:r1, None]
+        tz_TW[r0:r1] = torch.where(owned_RW, tz_RW, tp_ops._NEG_INF)
+        part = {key: t[r0:r1] for key, t in out.items()}
+        if k:
+            part.update((key, t[: r1 - r0]) for key, t in scratch.items())
+        _row_pass(
+            logits_RV, inv_T[r0:r1], None if keys is None else keys[r0:r1], lay,
+            start=shard.start, valid=valid, want_entropy=want_entropy, out=part,
         )  # fmt: skip
-    else:
-        skey_RN = sz_RN = torch.empty((rows, 0), device=device)
-        sid_RN = torch.empty((rows, 0), dtype=torch.int64, device=device)
+        if k:
+            _candidates_kernel[(r1 - r0,)](
+                logits_RV, logits_RV.stride(0), inv_T[r0:r1], part["stats"], part["gmax"],
+                part["bm"], part["bs"], part["bu"], sel_RG,
+                cz_TC[r0:r1], cid_TC[r0:r1], count_T[r0:r1], rest_T2[r0:r1],
+                valid, lay.offset, lay.n_blocks, lay.parts, k, cap,
+                BLOCKS=CONFIG.blocks_per_step, WIDTH=tp_ops.SAMPLE_BLOCK, TILE=1024,
+                WANT_U=want_entropy, num_warps=CONFIG.num_warps,
+            )  # fmt: skip
+        del logits_RV  # before the next chunk's logits exist: one chunk at a time
 
-    splits, span = _splits(rows, valid, CONFIG.block_v)
-    t0_R = _threshold(logits_RV, inv_R, k_local, valid, splits, span) if k_local else None
-    sums = _sums(logits_RV, inv_R, t0_R, valid, splits, span, want_entropy)
-    m_R, s_R, u_R, cz_RSC, cid_RSC, count_RS = sums
-
-    cand_val_RK = torch.full((rows, top_k), tp_ops._NEG_INF, device=device)
-    cand_id_RK = torch.full((rows, top_k), tp_ops._SENTINEL_ID, dtype=torch.int64, device=device)
-    overflow_R = torch.zeros(rows, dtype=torch.bool, device=device)
-    if k_local:
-        overflow_R = (count_RS > cz_RSC.shape[2]).any(dim=1)
-        val_RK, id_RK, s_R, u_R = _select_topk(
-            cz_RSC, cid_RSC, count_RS, m_R, s_R, u_R,
-            k=k_local, start=shard.start, want_entropy=want_entropy,
+    stats_T3, skey_TN, sid_TN, sz_TN = _merge_parts(out)
+    cand_val_TK = torch.full((rows, top_k), tp_ops._NEG_INF, device=device)
+    cand_id_TK = torch.full((rows, top_k), tp_ops._SENTINEL_ID, dtype=torch.int64, device=device)
+    overflow_T = torch.zeros(rows, dtype=torch.bool, device=device)
+    if k:
+        m_T = stats_T3[:, 0]
+        s_T = rest_T2[:, 0]
+        u_T = rest_T2[:, 1] if want_entropy else torch.zeros_like(s_T)
+        val_TK, id_TK, s_T, u_T = _select_topk(
+            cz_TC, cid_TC, count_T, m_T, s_T, u_T, k=k, start=shard.start,
+            want_entropy=want_entropy,
         )  # fmt: skip
-        cand_val_RK[:, :k_local] = val_RK
-        cand_id_RK[:, :k_local] = id_RK
-
+        cand_val_TK[:, :k] = val_TK
+        cand_id_TK[:, :k] = id_TK
+        stats_T3 = torch.stack([m_T, s_T, u_T], dim=1)
+        overflow_T = count_T > cap
     return tp_ops.LocalReduction(
-        stats_R3=torch.stack([m_R, s_R, u_R], dim=1),
-        tz_RW=tz_RW,
-        cand_val_RK=cand_val_RK,
-        cand_id_RK=cand_id_RK,
-        skey_RN=skey_RN,
-        sid_RN=sid_RN,
-        sz_RN=sz_RN,
-        overflow_R=overflow_R,
+        stats_R3=stats_T3,
+        tz_RW=tz_TW,
+        cand_val_RK=cand_val_TK,
+        cand_id_RK=cand_id_TK,
+        skey_RN=skey_TN,
+        sid_RN=sid_TN,
+        sz_RN=sz_TN,
+        overflow_R=overflow_T,
     )
 
 
-def _threshold(
-    logits_RV: torch.Tensor, inv_R: torch.Tensor, k: int, valid: int, splits: int, span: int
-) -> torch.Tensor:
-    """Per row, t0 <= the k-th largest tempered logit (step 1)."""
-    rows, block_v = logits_RV.shape[0], CONFIG.block_v
-    gmax_RSG = torch.empty((rows, splits, block_v), dtype=torch.float32, device=logits_RV.device)
-    _group_max_kernel[(rows, splits)](
-        logits_RV, logits_RV.stride(0), inv_R, gmax_RSG, valid, span,
-        BLOCK_V=block_v, num_warps=CONFIG.num_warps,
-    )  # fmt: skip
-    gmax_RG = gmax_RSG[:, 0] if splits == 1 else gmax_RSG.amax(dim=1)
-    return gmax_RG.topk(k, dim=1, sorted=False).values.amin(dim=1).contiguous()
-
-
-def _sums(
-    logits_RV: torch.Tensor,
-    inv_R: torch.Tensor,
-    t0_R: torch.Tensor | None,
-    valid: int,
-    splits: int,
-    span: int,
-    want_entropy: bool,
-) -> tuple[torch.Tensor, ...]:
-    """Step 2: per row max, rest sums below t0 (all columns without t0), and the candidates
-    [R, splits, cap] with their counts per split."""
-    rows, device = logits_RV.shape[0], logits_RV.device
-    m_RS = torch.empty((rows, splits), dtype=torch.float32, device=device)
-    s_RS, u_RS = torch.empty_like(m_RS), torch.empty_like(m_RS)
-    count_RS = torch.zeros((rows, splits), dtype=torch.int32, device=device)
-    cap = CONFIG.cap if t0_R is not None else 1
-    cz_RSC = torch.empty((rows, splits, cap), dtype=torch.float32, device=device)
-    cid_RSC = torch.empty((rows, splits, cap), dtype=torch.int32, device=device)
-    _sums_kernel[(rows, splits)](
-        logits_RV, logits_RV.stride(0), inv_R, inv_R if t0_R is None else t0_R,
-        m_RS, s_RS, u_RS, cz_RSC, cid_RSC, count_RS, valid, span, cap,
-        HAS_CAND=t0_R is not None, WANT_U=want_entropy, BLOCK_V=CONFIG.block_v,
-        num_warps=CONFIG.num_warps,
-    )  # fmt: skip
-    m_R, s_R, u_R = _combine_splits(m_RS, s_RS, u_RS)
-    if not want_entropy:
-        u_R = torch.zeros_like(s_R)
-    return m_R, s_R, u_R, cz_RSC, cid_RSC, count_RS
-
-
 def _select_topk(
-    cz_RSC: torch.Tensor,
-    cid_RSC: torch.Tensor,
-    count_RS: torch.Tensor,
+    cz_RC: torch.Tensor,
+    cid_RC: torch.Tensor,
+    count_R: torch.Tensor,
     m_R: torch.Tensor,
     s_R: torch.Tensor,
     u_R: torch.Tensor,
@@ -300,14 +564,12 @@ def _select_topk(
     start: int,
     want_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 3: the top-k (values, global ids) among the candidates, and the rest sums with the
+    """Step 4: the top-k (values, global ids) among the candidates, and the rest sums with the
     other candidates' mass added back."""
     neg_inf = tp_ops._NEG_INF
-    cap = cz_RSC.shape[2]
-    live_RSC = torch.arange(cap, device=cz_RSC.device) < count_RS[..., None]
-    cz_RC = torch.where(live_RSC, cz_RSC, neg_inf).flatten(1)
-    gid_RC = torch.where(live_RSC, cid_RSC.long() + start, tp_ops._SENTINEL_ID).flatten(1)
-    live_RC = live_RSC.flatten(1)
+    live_RC = torch.arange(cz_RC.shape[1], device=cz_RC.device) < count_R[:, None]
+    cz_RC = torch.where(live_RC, cz_RC, neg_inf)
+    gid_RC = torch.where(live_RC, cid_RC.long() + start, tp_ops._SENTINEL_ID)
     # Unique keys ordered by (value desc, id asc): the first k are the top-k with no tie fix,
     # and the sums below run in an order that does not depend on the atomics.
     _, order_RC = tp_ops._order_key(cz_RC, gid_RC).sort(dim=1, descending=True)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from consumer import kernels, tp_ops  # noqa: E402 - after the skips: kernels needs Triton
-from consumer.kernels import gumbel, rowstats  # noqa: E402
+from consumer.kernels import rowstats  # noqa: E402
 
 VOCAB, PADDED = 151936, 152064
 CUDA = torch.device("cuda")
@@ -31,6 +31,7 @@ def _logits(rows: int, *, dtype: torch.dtype, seed: int, width: int = PADDED) ->
     logits[1, 100:5000] = float("-inf")  # masked tokens
     logits[2, 1234] = 60.0  # one dominant token
     logits[3] = torch.randn(width, generator=gen) * 0.05  # nearly flat: many bf16 ties
+    logits[4, 2000:2100] = 12.0 + torch.randn(100, generator=gen)  # the top ids in one place
     return logits.to(dtype)
 
 
@@ -71,25 +72,29 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
     logits = _logits(rows, dtype=torch.bfloat16, seed=blocks + tp_rank, width=shard.size)
     a = _row_args(rows, seed=blocks)
     keys = tp_ops.stream_keys(seed_T=a["seed"], position_T=a["pos"], sample_n=n)
-    cfg = gumbel.CONFIG
-    old = (cfg.blocks_per_step, cfg.samples_per_program)
-    cfg.blocks_per_step, cfg.samples_per_program = blocks, per_program
-    try:
-        got = kernels.gumbel_argmax(
-            logits_RV=logits.to(CUDA),
-            inv_temperature_R=a["inv"].to(CUDA),
-            keys_RN=keys.to(CUDA),
-            start=shard.start,
-            valid=shard.valid_size,
-        )
-    finally:
-        cfg.blocks_per_step, cfg.samples_per_program = old
     z_cuda = _reference_z(logits.to(CUDA), a["inv"].to(CUDA), shard.valid_size)
     on_cuda = tp_ops._local_samples(z_cuda, keys.to(CUDA), shard)
     on_cpu = tp_ops._local_samples(z_cuda.cpu(), keys, shard)
-    for ref in (on_cuda, on_cpu):
-        for want, have in zip(ref, got, strict=True):
-            assert torch.equal(want.cpu(), have.cpu())
+    cfg = rowstats.CONFIG
+    old = (cfg.blocks_per_step, cfg.samples_per_program, cfg.sample_margin)
+    # The fast block choice alone, as configured, and exact keys everywhere.
+    for margin in (0.0, 1.0, float("inf")):
+        cfg.blocks_per_step, cfg.samples_per_program, cfg.sample_margin = (
+            blocks, per_program, margin
+        )  # fmt: skip
+        try:
+            got = kernels.gumbel_argmax(
+                logits_RV=logits.to(CUDA),
+                inv_temperature_R=a["inv"].to(CUDA),
+                keys_RN=keys.to(CUDA),
+                start=shard.start,
+                valid=shard.valid_size,
+            )
+        finally:
+            cfg.blocks_per_step, cfg.samples_per_program, cfg.sample_margin = old
+        for ref in (on_cuda, on_cpu):
+            for want, have in zip(ref, got, strict=True):
+                assert torch.equal(want.cpu(), have.cpu()), margin
 
 
 def _head(logits: torch.Tensor, a: dict, *, fused: bool, device: torch.device, **kw) -> dict:
@@ -210,7 +215,9 @@ def test_chunked_head_fused_equals_reference_on_cuda():
 
 
 def test_rowstats_config_is_consistent():
-    # block_v is also the number of groups behind the top-k threshold: at least the largest k
-    # a queue accepts by default (QueueSettings.max_top_k = 256), and a power of 2.
-    block_v = rowstats.CONFIG.block_v
-    assert block_v >= 256 and block_v & (block_v - 1) == 0
+    # The columns of a step are the residue classes behind the top-k threshold: at least the
+    # largest k a queue accepts by default (QueueSettings.max_top_k = 256); and powers of 2.
+    cfg = rowstats.CONFIG
+    assert cfg.blocks_per_step * tp_ops.SAMPLE_BLOCK >= 256 and cfg.cap >= 2 * 64
+    for n in (cfg.blocks_per_step, cfg.samples_per_program):
+        assert n & (n - 1) == 0

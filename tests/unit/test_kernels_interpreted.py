@@ -39,7 +39,7 @@ PRELUDE = textwrap.dedent(
         interpreter._patch_lang_tensor = _patched
 
     from consumer import kernels, tp_ops
-    from consumer.kernels import gumbel
+    from consumer.kernels import rowstats
 
     args = [int(a) for a in sys.argv[1:]]
     """
@@ -48,7 +48,7 @@ PRELUDE = textwrap.dedent(
 # Samples must equal the PyTorch reference bit for bit: block keys, ids and tempered logits.
 SAMPLES = textwrap.dedent(
     """
-    start, valid, width, n, per_program = args
+    start, valid, width, n, per_program, margin = args
     rows = 6
     gen = torch.Generator().manual_seed(start + valid + n)
     logits = torch.randn(rows, width, generator=gen) * 3.0
@@ -64,8 +64,12 @@ SAMPLES = textwrap.dedent(
     torch.mul(logits, inv[:, None], out=z)
     z[:, valid:] = float("-inf")
     want = tp_ops._local_samples(z, keys, shard)
-    gumbel.CONFIG.samples_per_program = per_program
-    got = gumbel.gumbel_argmax(
+    rowstats.CONFIG.samples_per_program = per_program
+    rowstats.CONFIG.blocks_per_step = 2  # and rows in parts of 2 to 4 blocks
+    rowstats.CONFIG.target_programs = rows * 3
+    # The fast block choice (margin 0: never checked), the default, and exact keys always.
+    rowstats.CONFIG.sample_margin = (0.0, 1.0, float("inf"))[margin]
+    got = rowstats.gumbel_argmax(
         logits_RV=logits, inv_temperature_R=inv, keys_RN=keys, start=start, valid=valid
     )
     for name, w, g in zip(("key", "id", "z"), want, got, strict=True):
@@ -75,19 +79,30 @@ SAMPLES = textwrap.dedent(
 )
 
 # The whole head through the kernels against the reference path, on the same CPU tensors:
-# ids equal, values equal to fp32 rounding (sums run in another order).
+# ids equal, values equal to fp32 rounding (sums run in another order). 71 sampling blocks,
+# enough for top-k 64 on the kernels' path.
 HEAD = textwrap.dedent(
     """
     top_k, want_entropy, bf16 = args
     tp_ops.triton_kernels = lambda device: kernels  # the kernels take CPU tensors here
-    # Small steps and two splits a row, so the running rescale and the merge of splits run.
-    kernels.rowstats.CONFIG.block_v = 128
-    kernels.rowstats.CONFIG.target_programs = 24
-    rows, padded, vocab = 12, 1024, 1000
+    calls = []
+    local_reduce = rowstats.local_reduce
+
+    def spy(**kw):
+        out = local_reduce(**kw)
+        calls.append(out is not None and not bool(out.overflow_R.any()))
+        return out
+
+    kernels.local_reduce = spy
+    rowstats.CONFIG.blocks_per_step = 4  # a few steps a row: the running rescale runs
+    rowstats.CONFIG.target_programs = 36  # 12 rows in parts: the parts' merge runs
+    rows, padded, vocab = 12, 9088, 9000
     gen = torch.Generator().manual_seed(top_k)
     logits = torch.randn(rows, padded, generator=gen) * 3.0
-    logits[1, 10:300] = float("-inf")
-    logits[3] = torch.randint(-2, 3, (padded,), generator=gen).float()  # ties everywhere
+    logits[1, 10:3000] = float("-inf")
+    logits[3] = -5.0
+    logits[3, :500] = torch.randint(-2, 3, (500,), generator=gen).float()  # ties, top ids close
+    logits[5, :2000] = torch.linspace(30.0, 20.0, 2000)  # the row's max far from block 0's
     logits = logits.to(torch.bfloat16 if bf16 else torch.float32)
     call = dict(
         logits_TV=logits,
@@ -105,6 +120,7 @@ HEAD = textwrap.dedent(
     for fused in (True, False):
         tp_ops.FUSED_KERNELS = fused
         out[fused] = vars(tp_ops.head_from_logits(**call))
+    assert calls == [True], calls  # the kernels took the chunk and finished every row
     for name, want in out[False].items():
         got = out[True][name]
         if want is None or not want.is_floating_point():
@@ -129,6 +145,7 @@ def _run(body: str, *args: int) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("margin", [0, 1, 2])
 @pytest.mark.parametrize(
     ("start", "valid", "width", "n", "per_program"),
     [
@@ -138,8 +155,8 @@ def _run(body: str, *args: int) -> None:
         (0, 100, 128, 5, 2),  # one block, three programs a row
     ],
 )
-def test_sampling_kernel_matches_the_reference(start, valid, width, n, per_program):
-    _run(SAMPLES, start, valid, width, n, per_program)
+def test_sampling_kernel_matches_the_reference(start, valid, width, n, per_program, margin):
+    _run(SAMPLES, start, valid, width, n, per_program, margin)
 
 
 @pytest.mark.parametrize(("top_k", "want_entropy", "bf16"), [(20, 1, 1), (64, 0, 0), (0, 1, 1)])

@@ -297,22 +297,53 @@ def _np_gumbel(h: np.ndarray) -> np.ndarray:
     return -np.log(-np.log(u))
 
 
+def _np_sampling_exp(y: np.ndarray) -> np.ndarray:
+    """`sampling_exp`'s definition in numpy fp32 (each ufunc rounds once)."""
+    f32 = np.float32
+    with np.errstate(invalid="ignore"):
+        t = y.astype(f32) * f32(tp_ops._LOG2E_F32)
+        tc = np.maximum(t, f32(tp_ops._EXP2_FLOOR - 1), dtype=f32)
+        tc = np.where(np.isnan(t), f32(0), tc)
+        n = np.floor(tc)
+        f = tc - n
+        p = np.full_like(f, f32(tp_ops._EXP2_COEFFS[0]))
+        for c in tp_ops._EXP2_COEFFS[1:]:
+            p = p * f + f32(c)
+        scale = np.ldexp(f32(1), n.astype(np.int32)).astype(f32)
+        return np.where(t >= f32(tp_ops._EXP2_FLOOR), p * scale, f32(0))
+
+
+def test_sampling_exp_matches_numpy_and_exp():
+    y = torch.cat([-torch.rand(100_000) * 70, torch.tensor([0.0, -0.0, -63.7, -64.0, -1e-30])])
+    got = tp_ops.sampling_exp(y)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.from_numpy(_np_sampling_exp(y.numpy())))
+    exact = torch.exp(y.double())
+    near = y > -63.7
+    rel = ((got.double() - exact).abs() / exact)[near]
+    assert float((rel / (2e-7 + 8e-8 * y[near].abs())).max()) < 1.0
+    assert float(got[y < -64].abs().max()) == 0.0
+    edge = torch.tensor([float("-inf"), float("nan")])
+    assert torch.equal(tp_ops.sampling_exp(edge), torch.zeros(2))
+
+
 def _reference_samples(case: dict, n: int) -> torch.Tensor:
     """The two-level Gumbel-max of `sampling_hash`'s docstring over the full vocabulary (blocks
     of SAMPLE_BLOCK ids from id 0, then an id inside the winning block), in numpy with an
-    independent uint64 hash."""
+    independent uint64 hash and exp."""
     z_TV = _tempered(case).numpy()
     rows, vocab = z_TV.shape
     width = SAMPLE_BLOCK
     blocks = -(-vocab // width)
     z_TX = np.full((rows, blocks * width), -np.inf, dtype=np.float32)
     z_TX[:, :vocab] = z_TV
-    z_TGB = z_TX.reshape(rows, blocks, width).astype(np.float64)
+    z_TGB = z_TX.reshape(rows, blocks, width)
     m_TG = z_TGB.max(axis=2)
     live_TG = m_TG > -np.inf
-    m_TG = np.where(live_TG, m_TG, 0.0)
+    m_TG = np.where(live_TG, m_TG, np.float32(0))
+    e_TGB = _np_sampling_exp(z_TGB - m_TG[:, :, None]).astype(np.float64)
     with np.errstate(divide="ignore"):
-        lse_TG = np.log(np.exp(z_TGB - m_TG[:, :, None]).sum(axis=2)) + m_TG
+        lse_TG = np.log(e_TGB.sum(axis=2)) + m_TG.astype(np.float64)
     lse_TG = np.where(live_TG, lse_TG, -np.inf)
     # The block counter -(first id + 1), as a 64-bit word.
     counter_G = (-(np.arange(blocks, dtype=np.int64) * width + 1)).astype(np.uint64)
