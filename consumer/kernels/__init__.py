@@ -4,10 +4,10 @@
 Triton imports; everywhere else (and whenever `tp_ops.FUSED_KERNELS` is False) the PyTorch
 reference path in tp_ops runs, and it stays the definition of every output:
 
-- `rowstats.local_reduce`: everything one rank contributes for a chunk (max, rest sums,
-  entropy sums, top-k candidates, target logits, samples) from the bf16/fp16/fp32 logits
-  without materialising an fp32 [R, V] copy, in one pass over the chunk plus a read of the
-  few blocks where the top-k lies;
+- `rowstats.local_reduce`: everything one rank contributes (max, rest sums, entropy sums,
+  top-k candidates, target logits, samples) from the bf16/fp16/fp32 logits, chunk by chunk,
+  without materialising an fp32 [R, V] copy: one pass over each chunk plus a read of the few
+  blocks where the top-k lies;
 - `rowstats.gumbel_argmax`: that pass's samples alone: the two-level Gumbel-max (a block of
   ids by its mass, then an id inside it), bit for bit what the reference draws (same
   SplitMix64 hash, same fp32 exp and fp64 noise, same tie rules; helpers in `gumbel`);
