@@ -1,9 +1,10 @@
-"""One rank's per-chunk reduction (tp_ops.LocalReduction) from its logits, fused in Triton.
+"""One rank's reduction (tp_ops.LocalReduction) from its logits, chunk by chunk, in Triton.
 
 The reference path (`tp_ops._local_reduce`) materialises z = fp32(logits * inv_temperature)
 as an [R, V] tensor and runs a dozen full-size passes over it (max, gather, top-k with a tie
-fix, exp, scatter, sums, entropy), plus ~30 per sample. Here the logits chunk is read once in
-its own dtype, and a second time only where the top-k can lie:
+fix, exp, scatter, sums, entropy), plus ~30 per sample. Here each logits chunk is read once
+in its own dtype, and a second time only where the top-k can lie; the kernels keep per-row
+results, and the PyTorch steps after them run once for all rows.
 
 1. `_row_pass_kernel` streams each row (in a few parts, so the device fills up) in the
    sampling blocks of tp_ops (SAMPLE_BLOCK global ids; `tp_ops.block_layout`). Per block b
@@ -15,18 +16,18 @@ its own dtype, and a second time only where the top-k can lie:
    Samples: the definition's block keys need an fp32-exact exp summed in fp64
    (`tp_ops.sampling_exp`), three times the work of the rest of the pass. So each sample
    picks its block by fast keys (the fp32 masses above, the noise's outer log in fp32),
-   keeping the two best; a fast key lies within 4e-5 + 4e-7 |key| of the exact one (error
+   keeping the two best. A fast key lies within 4e-5 + 4e-7 |key| of the exact one (error
    bounds of the hardware exp and log, of both exps against exp, of fp32 sums of 128 terms
-   and of the roundings), so when the best leads by more than twice that (`gumbel.margin`, with room
-   to spare) it is the definition's block. Otherwise (a gap that small has a probability
-   of about 2e-4 per sample) the program reads its part again for the exact keys. Either
-   way the block's exact key and the draw inside it come from one more read of that block
-   (`gumbel.draw_in_block`).
+   and of the roundings), so when the best leads by more than twice that (`gumbel.margin`,
+   with room to spare) it is the definition's block. Otherwise (a gap that small has a
+   probability of about 2e-4 per sample) the program reads its part again for the exact
+   keys. Either way the block's exact key and the draw inside it come from one more read of
+   that block (`gumbel.draw_in_block`).
 2. (top-k) t0, the k-th largest of the class maxima, is at most the k-th largest z
    (k distinct columns reach it), so the top-k lies among the columns >= t0: barely more
    than k of them, as the classes interleave (top ids that cluster in a few blocks still fall
-   in distinct classes). Only blocks whose max reaches t0 hold such columns.
-   The candidates kernel below finds t0 itself (a sort of the class maxima).
+   in distinct classes). Only blocks whose max reaches t0 hold such columns. The candidates
+   kernel finds t0 itself (a sort of the class maxima).
 3. `_candidates_kernel` reads the blocks' (m_b, s_b, u_b) a tile at a time, lists the blocks
    that reach t0 and reads their columns only: the columns >= t0 go to a small candidate
    buffer through an atomic counter (their order is fixed by step 4), the others add to the
@@ -36,7 +37,7 @@ its own dtype, and a second time only where the top-k can lie:
    is added back so the rest mass stays a sum of positive terms as in the reference.
 
 A row with more than `cap` candidates (hundreds of columns tied at t0) is flagged in
-`overflow_R` and tp_ops redoes the call on the reference path; a chunk with k above the
+`overflow_R` and tp_ops redoes the call on the reference path; a call with k above the
 number of classes or the shard's real columns is not taken (local_reduce returns None).
 Values agree with the reference to fp32 rounding (sums run in another order, with another
 exp); ids (top-k and samples) agree exactly.
