@@ -113,7 +113,8 @@ def _row_pass_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     part = row * tl.num_programs(1) + split
-    lead = tl.program_id(2) == 0  # the split's first program stores what is not per sample
+    # Every sample program of a part computes the same sums and block stats, bit for bit, and
+    # stores them: the same values in the same places.
     inv = tl.load(inv_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_r
     bs = tl.arange(0, BLOCKS)
@@ -156,7 +157,7 @@ def _row_pass_kernel(
             u = tl.zeros_like(s)
         if STORE_BLOCKS:
             at = row * n_blocks + blk
-            keep = (blk < n_blocks) & (blk < lo + span) & lead
+            keep = (blk < n_blocks) & (blk < lo + span)
             tl.store(bm_ptr + at, m, mask=keep)
             tl.store(bs_ptr + at, s, mask=keep)
             tl.store(bu_ptr + at, u, mask=keep)
@@ -191,12 +192,12 @@ def _row_pass_kernel(
             best = tl.where(better, step_best, best)
             best_block = tl.where(better, b0 + step_arg, best_block)
 
-    tl.store(stats_ptr + part * 3, tl.where(n_bad > 0, float("nan"), m_row), mask=lead)
-    tl.store(stats_ptr + part * 3 + 1, s_row, mask=lead)
-    tl.store(stats_ptr + part * 3 + 2, u_row, mask=lead)
+    tl.store(stats_ptr + part * 3, tl.where(n_bad > 0, float("nan"), m_row))
+    tl.store(stats_ptr + part * 3 + 1, s_row)
+    tl.store(stats_ptr + part * 3 + 2, u_row)
     if STORE_BLOCKS:
         at = part * BLOCKS * WIDTH + bs[:, None] * WIDTH + ws[None, :]
-        tl.store(gmax_ptr + at, gmax, mask=lead)
+        tl.store(gmax_ptr + at, gmax)
     if SAMPLES:
         # A fast key is within half the margin of the exact one, so a fast winner ahead by
         # more than the margin is the exact winner. Otherwise (rare) this part's blocks are
