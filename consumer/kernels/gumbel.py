@@ -73,10 +73,15 @@ def log64(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _uniform64(h):
+    """u = (2 * (h >>> 12) + 1) / 2**53 in fp64, exact, for the word h."""
+    return ((h >> 12) & _MASK52).to(tl.float64) * _TWO_M52 + _TWO_M53
+
+
+@triton.jit
 def _gumbel64(h, INTERPRET: tl.constexpr):
     """-log(-log(u)) in fp64 for the word h: the reference's noise, bit for bit."""
-    u = ((h >> 12) & _MASK52).to(tl.float64) * _TWO_M52 + _TWO_M53  # exact: (2k + 1) / 2**53
-    return -log64(-log64(u, INTERPRET), INTERPRET)
+    return -log64(-log64(_uniform64(h), INTERPRET), INTERPRET)
 
 
 @triton.jit
@@ -96,20 +101,35 @@ def sampling_exp(y):
 
 
 @triton.jit
+def _block_word(skey, blk, start, offset, WIDTH: tl.constexpr):
+    """hash(-(first id + 1)) for stream keys skey and blocks blk (broadcast)."""
+    first = tl.maximum(blk * WIDTH - offset, 0).to(tl.int64) + start
+    return _mix64(skey + (-(first + 1) * _GAMMA))
+
+
+@triton.jit
 def block_noise(skey, blk, start, offset, WIDTH: tl.constexpr, INTERPRET: tl.constexpr):
     """g(hash(-(first id + 1))) in fp64 for stream keys skey and blocks blk (broadcast)."""
-    first = tl.maximum(blk * WIDTH - offset, 0).to(tl.int64) + start
-    return _gumbel64(_mix64(skey + (-(first + 1) * _GAMMA)), INTERPRET)
+    return _gumbel64(_block_word(skey, blk, start, offset, WIDTH), INTERPRET)
 
 
 @triton.jit
 def fast_block_noise(skey, blk, start, offset, WIDTH: tl.constexpr, INTERPRET: tl.constexpr):
     """block_noise to within 1e-5 in fp32: the inner log in fp64 (u may lie within 2**-53 of
     1), the outer one (of a number in [1e-16, 37]) by the hardware in fp32."""
-    first = tl.maximum(blk * WIDTH - offset, 0).to(tl.int64) + start
-    h = _mix64(skey + (-(first + 1) * _GAMMA))
-    u = ((h >> 12) & _MASK52).to(tl.float64) * _TWO_M52 + _TWO_M53
+    u = _uniform64(_block_word(skey, blk, start, offset, WIDTH))
     return -tl.log((-log64(u, INTERPRET)).to(tl.float32))
+
+
+@triton.jit
+def load_blocks(row_ptr, blk, used, inv, offset, valid, WIDTH: tl.constexpr):
+    """For blocks blk [N] of a row (used: the entries to read): their local columns
+    [N, WIDTH], which of them to count (used, and among the shard's real columns) and their
+    tempered logits fp32(logit * inv), -inf where not counted."""
+    cols = blk[:, None] * WIDTH - offset + tl.arange(0, WIDTH)[None, :]
+    cm = used[:, None] & (cols >= 0) & (cols < valid)
+    x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    return cols, cm, tl.where(cm, x * inv, float("-inf"))
 
 
 @triton.jit
@@ -140,10 +160,7 @@ def draw_in_block(
     """Step 2 for samples [NS] (live: the real ones) whose blocks are best_block: the block's
     exact key (step 1), the local column drawn and its tempered logit."""
     ws = tl.arange(0, WIDTH)
-    cols = best_block[:, None] * WIDTH - offset + ws[None, :]  # [NS, WIDTH]
-    cm = (cols >= 0) & (cols < valid)
-    x = tl.load(row_ptr + cols, mask=cm & live[:, None], other=0.0).to(tl.float32)
-    z = tl.where(cm, x * inv, float("-inf"))
+    cols, _, z = load_blocks(row_ptr, best_block, live, inv, offset, valid, WIDTH)
     noise = block_noise(skey, best_block, start, offset, WIDTH, INTERPRET)
     block_key = (exact_lse(z, INTERPRET) + noise).to(tl.float32)
     h = _mix64(skey[:, None] + (cols.to(tl.int64) + (start + 1)) * _GAMMA)

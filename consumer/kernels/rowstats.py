@@ -59,6 +59,7 @@ from consumer.kernels.gumbel import (
     exact_lse,
     fast_block_noise,
     interpreting,
+    load_blocks,
     margin,
 )
 
@@ -137,10 +138,7 @@ def _row_pass_kernel(
     hi = tl.minimum(lo + span, n_blocks)
     for b0 in range(lo, hi, BLOCKS):
         blk = b0 + bs
-        cols = blk[:, None] * WIDTH - offset + ws[None, :]  # local columns, [BLOCKS, WIDTH]
-        cm = (cols >= 0) & (cols < valid)
-        x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        z = tl.where(cm, x * inv, float("-inf"))
+        _, cm, z = load_blocks(row_ptr, blk, blk < n_blocks, inv, offset, valid, WIDTH)
         # NaN and +inf: the reference's max turns NaN/inf and the merge flags the row; the
         # max here may ignore NaN, so they are counted and the row's max is poisoned.
         n_bad += tl.sum(tl.sum((cm & ~(z < float("inf"))).to(tl.int32), axis=1), axis=0)
@@ -208,10 +206,8 @@ def _row_pass_kernel(
             best_block = tl.zeros([NS], tl.int32)
             for b0 in range(lo, hi, BLOCKS):
                 blk = b0 + bs
-                cols = blk[:, None] * WIDTH - offset + ws[None, :]
-                cm = (cols >= 0) & (cols < valid)
-                x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                lse = exact_lse(tl.where(cm, x * inv, float("-inf")), INTERPRET)
+                _, _, z = load_blocks(row_ptr, blk, blk < n_blocks, inv, offset, valid, WIDTH)
+                lse = exact_lse(z, INTERPRET)
                 noise = block_noise(skey[:, None], blk[None, :], start, offset, WIDTH, INTERPRET)
                 key = (lse[None, :] + noise).to(tl.float32)
                 key = tl.where((blk < n_blocks)[None, :], key, float("-inf"))
@@ -297,15 +293,11 @@ def _candidates_kernel(
 
     # Step 3b: the listed blocks, column by column.
     bs = tl.arange(0, BLOCKS)
-    ws = tl.arange(0, WIDTH)
     for i0 in range(0, n_sel, BLOCKS):
         i = i0 + bs
         im = i < n_sel
         blk = tl.load(sel_ptr + row * n_blocks + i, mask=im, other=0)
-        cols = blk[:, None] * WIDTH - offset + ws[None, :]
-        cm = im[:, None] & (cols >= 0) & (cols < valid)
-        x = tl.load(row_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        z = tl.where(cm, x * inv, float("-inf"))
+        cols, cm, z = load_blocks(row_ptr, blk, im, inv, offset, valid, WIDTH)
         cand = cm & (z >= t0)
         below = cm & (z < t0)
         y = z - ref
