@@ -48,6 +48,9 @@ class _Graph:
     ids_P: torch.Tensor  # the recorded inputs: copy a batch in, then replay
     position_P: torch.Tensor
     hidden_PH: torch.Tensor  # the recorded output, overwritten by every replay
+    # The recorded layout: the graph reads its device tensors (the varlen attention's
+    # cumulative lengths) at their addresses, so they live as long as the graph.
+    bounds: TreeBounds
 
 
 class GraphedForward:
@@ -127,6 +130,6 @@ class GraphedForward:
         self.captures += 1
         log.info("cuda_graphs.captured", tokens=int(ids_P.shape[0]),
                  segments=len(bounds.segments), graphs=len(self._graphs) + 1)  # fmt: skip
-        entry = _Graph(graph, static_ids, static_pos, hidden)
+        entry = _Graph(graph, static_ids, static_pos, hidden, bounds)
         self._graphs[key] = entry
         return entry

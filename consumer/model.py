@@ -46,6 +46,17 @@ class ModelSpec:
     rope_scaling: dict | None = field(default=None, hash=False)
 
     @property
+    def max_input_tokens(self) -> int:
+        """Longest input this model scores: max_position_embeddings, or the context its RoPE
+        scaling extends the original one to (factor x original_max_position_embeddings)."""
+        scaling = self.rope_scaling or {}
+        original = scaling.get("original_max_position_embeddings")
+        if original and scaling.get("factor"):
+            extended = int(float(scaling["factor"]) * int(original))
+            return max(self.max_position_embeddings, extended)
+        return self.max_position_embeddings
+
+    @property
     def kv_channels(self) -> int:
         """Per-head dimension."""
         return self.head_dim or self.hidden_size // self.num_attention_heads

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from consumer import tp_ops
-from consumer.attention import TreeBounds
+from consumer.attention import TreeBounds, VarlenLayout
 from consumer.batching import BatchTensors
 from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
@@ -100,6 +100,8 @@ class Scorer:
             ids = tp_ops.to_device(tree.input_ids_P, self.device)
             pos = tp_ops.to_device(tree.position_P, self.device)
             bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
+            if self.device.type == "cuda":  # before any graph capture reads it (graphs.py)
+                bounds.varlen = VarlenLayout.of(tree.segments, self.device)
             if self.graphs is not None:
                 # Graphs read the rotary tables where they are: grown, they move.
                 # ids.device, not self.device: "cuda" and "cuda:0" compare unequal.

@@ -28,13 +28,20 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The parameter dtype: `model.dtype`, where auto is bfloat16 on CUDA, float32 elsewhere."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[setting]
+
+
 def build_scorer(
     settings: Settings, layout: ParallelLayout, path: str | None = None
 ) -> tuple[Scorer, str]:
     """Load the teacher on this rank — `path` if given (a weight update), else the configured
     one; returns the scorer and the model version."""
     device = pick_device(settings.consumer.device)
-    dtype = _DTYPES[settings.model.dtype]
+    dtype = pick_dtype(settings.model.dtype, device)
     path = path or settings.model.path
     if path is None:
         from consumer.checkpoints import check_parallel

@@ -274,13 +274,7 @@ class Leader:
         self.queue = settings.queue.name
         self.streams = Streams(client, self.queue, settings.queue.group)
         self.name = self.c.name or f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
-        self.limits = Limits(
-            max_input_tokens=settings.queue.max_input_tokens,
-            max_label_width=settings.queue.max_label_width,
-            max_top_k=settings.queue.max_top_k,
-            max_sample_n=settings.queue.max_sample_n,
-            vocab_size=scorer.spec.vocab_size,
-        )
+        self.limits = self._limits()
         self.counters = Counters()
         self.claimer = Claimer(
             self.streams, self.name, visibility_timeout_s=self.c.visibility_timeout_s,
@@ -319,6 +313,23 @@ class Leader:
         self._inflight: _InFlight | None = None  # launched, not yet finished (TP = 1)
         self._last_finish = 0.0
 
+    def _limits(self) -> Limits:
+        """What this consumer accepts: the queue's limits, capped to the served model's."""
+        spec = self.scorer.spec
+        return Limits.for_queue(
+            self.s.queue, vocab_size=spec.vocab_size, model_max_tokens=spec.max_input_tokens
+        )
+
+    def _advertise_model(self) -> None:
+        """The served model's record, which producers read for their limits."""
+        spec = self.scorer.spec
+        record = {
+            "vocab_size": spec.vocab_size,
+            "version": self.model_version,
+            "max_input_tokens": spec.max_input_tokens,
+        }
+        self.r.hset(keys.model_key(self.queue), mapping=record)
+
     def _describe(self) -> dict:
         c = self.counters
         return {
@@ -340,10 +351,7 @@ class Leader:
         """Serve until stopped; every claimed entry is finished, stored and acked first."""
         check_redis(self.r, policy=self.c.durable_redis)
         self.streams.ensure_group()
-        self.r.hset(
-            keys.model_key(self.queue),
-            mapping={"vocab_size": self.scorer.spec.vocab_size, "version": self.model_version},
-        )
+        self._advertise_model()
         self.heartbeat.start()
         self.heartbeat.state = "ready"
         log.info("consumer.ready", consumer=self.name, model_version=self.model_version)
@@ -818,9 +826,8 @@ class Leader:
         broadcast_text(path, src=layout.leader_rank, group=self._group)
         self.scorer, self.model_version = self.reload(path)
         self.generation = generation
-        self.r.hset(keys.model_key(self.queue),
-                    mapping={"vocab_size": self.scorer.spec.vocab_size,
-                             "version": self.model_version})  # fmt: skip
+        self.limits = self._limits()
+        self._advertise_model()
         if was_asleep:
             self._sleep()
         self.heartbeat.state = "sleeping" if self.asleep else "ready"

@@ -69,17 +69,13 @@ class TeacherClient:
 
     def limits(self) -> Limits:
         """What this queue accepts; the vocabulary comes from settings or the live consumers."""
-        q = self.settings.queue
-        vocab = self.settings.model.vocab_size
-        if vocab is None:
-            advertised = self.r.hget(keys.model_key(self.queue), "vocab_size")
-            vocab = int(advertised) if advertised else None
-        return Limits(
-            max_input_tokens=q.max_input_tokens,
-            max_label_width=q.max_label_width,
-            max_top_k=q.max_top_k,
-            max_sample_n=q.max_sample_n,
-            vocab_size=vocab,
+        vocab, max_tokens = self.r.hmget(
+            keys.model_key(self.queue), ["vocab_size", "max_input_tokens"]
+        )
+        return Limits.for_queue(
+            self.settings.queue,
+            vocab_size=self.settings.model.vocab_size or (int(vocab) if vocab else None),
+            model_max_tokens=int(max_tokens) if max_tokens else None,
         )
 
     def submit(self, requests: Iterable[TeacherRequest | dict[str, Any]]) -> list[str]:

@@ -25,15 +25,44 @@ from shared.errors import InvalidJob
 SCHEMA_VERSION = 1
 
 
+# Longest input a queue accepts while neither its settings nor a live consumer says otherwise.
+DEFAULT_MAX_INPUT_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a queue accepts; both submit and the consumer check jobs against these."""
 
-    max_input_tokens: int = 8192
+    max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS
     max_label_width: int = 64
     max_top_k: int = 256
     max_sample_n: int = 64
     vocab_size: int | None = None  # None: not known here, the consumer checks it
+    # Where max_input_tokens comes from, named in the error of a job that exceeds it.
+    max_input_source: str = "queue.max_input_tokens"
+
+    @classmethod
+    def for_queue(
+        cls, queue: Any, *, vocab_size: int | None, model_max_tokens: int | None
+    ) -> Limits:
+        """The limits of a queue's settings (`QueueSettings`) for a model that takes at most
+        `model_max_tokens` positions (None: not known). An unset `queue.max_input_tokens`
+        means the model's limit, or DEFAULT_MAX_INPUT_TOKENS while no model is known; a set
+        one above the model's limit is capped to it."""
+        setting = queue.max_input_tokens
+        if model_max_tokens is not None and (setting is None or setting > model_max_tokens):
+            limit, source = model_max_tokens, "the model's max_position_embeddings"
+        else:
+            limit = DEFAULT_MAX_INPUT_TOKENS if setting is None else setting
+            source = "queue.max_input_tokens"
+        return cls(
+            max_input_tokens=limit,
+            max_label_width=queue.max_label_width,
+            max_top_k=queue.max_top_k,
+            max_sample_n=queue.max_sample_n,
+            vocab_size=vocab_size,
+            max_input_source=source,
+        )
 
 
 class TeacherRequest(BaseModel):
@@ -161,7 +190,7 @@ def check_limits(req: TeacherRequest, limits: Limits) -> None:
     if n > limits.max_input_tokens:
         raise InvalidJob(
             f"input_ids has {n} tokens; the maximum is {limits.max_input_tokens} "
-            "(queue.max_input_tokens)"
+            f"({limits.max_input_source})"
         )
     for name, value, cap in (
         ("sample_n", req.sample_n, limits.max_sample_n),
@@ -300,7 +329,9 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
     raw_ids = fields.get(b"input_ids")
     if raw_ids is None:
         raise InvalidJob("stream entry has no 'input_ids' field")
-    max_el = limits.max_input_tokens
+    # A bound on what decoding may allocate, well above the limit so that a job slightly too
+    # long decodes and check_limits names the limit and where it comes from.
+    max_el = 4 * limits.max_input_tokens
     try:
         ids = decode_array(raw_ids, name="input_ids", expect_ndim=1, max_elements=max_el)
         labels_raw = fields.get(b"label_token_ids")

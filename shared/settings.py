@@ -48,8 +48,11 @@ class QueueSettings(_Section):
     group: str = "consumers"
     """Redis consumer group the consumers of this queue join."""
 
-    max_input_tokens: int = Field(default=8192, ge=2)
-    """Longest accepted input_ids; longer jobs are rejected at submit with both lengths."""
+    max_input_tokens: int | None = Field(default=None, ge=2)
+    """Longest accepted input_ids; longer jobs are rejected at submit with both lengths.
+    Unset: the limit the live consumers advertise (their model's max_position_embeddings,
+    extended by its RoPE scaling), or 8192 before any consumer has started. A consumer
+    refuses a job longer than its model's limit whatever this says."""
 
     max_label_width: int = Field(default=64, ge=0)
     """Largest W of label_token_ids [L-1, W]."""
@@ -93,8 +96,8 @@ class ModelSettings(_Section):
     """Teacher checkpoint: a Hugging Face safetensors directory or a Megatron torch_dist
     checkpoint. Unset: the built-in tiny random-init preset (fixed seed)."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype. float32 on CPU; bfloat16 is the usual choice on GPUs."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype. auto: bfloat16 on a CUDA device, float32 on the CPU."""
 
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model

@@ -13,6 +13,7 @@ import pytest
 from producer import InvalidJob, TeacherClient, TeacherRequest
 from shared import keys
 from shared.codec import encode_array
+from shared.messages import DEFAULT_MAX_INPUT_TOKENS, encode_job
 from tests.conftest import REPO
 from tests.reference import tiny_full_log_softmax
 
@@ -99,7 +100,6 @@ def test_resubmitting_a_job_id_computes_it_once(settings, start_consumer, r) -> 
 
 def test_duplicate_entries_for_one_job_id_compute_once(settings, start_consumer, r) -> None:
     """Entries written twice (e.g. a retried XADD) are computed at most once."""
-    from shared.messages import encode_job
 
     req = TeacherRequest(input_ids=[9, 8, 7, 6])
     fields = encode_job(req, job_id="dup")
@@ -123,8 +123,9 @@ def test_invalid_requests_are_refused_at_submit(settings, r) -> None:
     client = TeacherClient(settings)
     with pytest.raises(InvalidJob, match=r"request 1: .*input_ids is empty"):
         client.submit([{"input_ids": [1, 2]}, {"input_ids": []}])
-    too_long = list(range(settings.queue.max_input_tokens + 1))
-    with pytest.raises(InvalidJob, match="8193 tokens; the maximum is 8192"):
+    # No consumer yet and queue.max_input_tokens unset: the default limit holds.
+    too_long = [1] * (DEFAULT_MAX_INPUT_TOKENS + 1)
+    with pytest.raises(InvalidJob, match=r"8193 tokens; the maximum is 8192 \(queue\."):
         client.submit([{"input_ids": too_long}])
     assert r.exists(keys.jobs_stream(settings.queue.name)) == 0  # nothing enqueued
 
@@ -134,6 +135,28 @@ def test_vocabulary_advertised_by_consumers_is_checked(settings, start_consumer)
     client = TeacherClient(settings)
     with pytest.raises(InvalidJob, match=r"input_ids\[1\] = 1000 is outside the vocabulary"):
         client.submit([{"input_ids": [1, VOCAB]}])
+
+
+def test_the_served_models_length_limit_is_advertised_and_enforced(
+    settings, start_consumer, r
+) -> None:
+    """Unset queue.max_input_tokens means the live model's limit (the tiny preset's
+    max_position_embeddings, 4096) at submit; a longer job that reaches the consumer anyway,
+    e.g. from a producer configured with a higher limit, fails alone with both numbers."""
+    start_consumer(settings)
+    client = TeacherClient(settings)
+    limit = 4096
+    with pytest.raises(
+        InvalidJob, match=rf"{limit + 1} tokens; the maximum is {limit} \(the model's"
+    ):
+        client.submit([{"input_ids": [1] * (limit + 1)}])
+    assert client.limits().max_input_tokens == limit
+    stream = keys.jobs_stream(settings.queue.name)
+    r.xadd(stream, encode_job(TeacherRequest(input_ids=[1] * (limit + 2)), job_id="long"))
+    good = client.submit([TeacherRequest(input_ids=[1, 2, 3])])
+    long_, ok = client.wait(["long", *good], timeout=60)
+    assert f"{limit + 2} tokens; the maximum is {limit} (the model's" in long_.error
+    assert ok.ok
 
 
 def test_bad_stream_entries_are_dead_lettered_and_good_jobs_flow(
