@@ -27,10 +27,15 @@ from shared.results import decode_record, encode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Fields, StreamReply, Streams
-from shared.tracing import span
+from shared.tracing import end_span, start_span
 from shared.weights import UpdateRequest
 
 log = structlog.get_logger("teacherq.client")
+
+
+# Jobs enqueued per transaction: one submit call of up to this many jobs reaches the stream
+# at once (a GRPO group is far smaller); larger calls go in chunks of it.
+SUBMIT_CHUNK = 512
 
 
 class TeacherClient:
@@ -98,16 +103,29 @@ class TeacherClient:
             )
             prepared.append((job_id, req))
         self.streams.ensure_group()
-        ids = []
-        for job_id, req in prepared:
-            self._wait_for_room(req.num_tokens)
-            with span("submit", job_id=job_id, tokens=req.num_tokens) as s:
-                traced = req.model_copy(update={"trace": s.carrier})
-                fields = encode_job(traced, job_id=job_id)
-                entry = self.streams.submit(job_id, fields, tokens=req.num_tokens)
-                s.set(enqueued=entry is not None)
-            ids.append(job_id)
-        return ids
+        for at in range(0, len(prepared), SUBMIT_CHUNK):
+            self._enqueue(prepared[at : at + SUBMIT_CHUNK])
+        return [job_id for job_id, _ in prepared]
+
+    def _enqueue(self, jobs: list[tuple[str, TeacherRequest]]) -> None:
+        """Enqueue jobs in one transaction: a consumer reads all of them or none, so the
+        responses of a GRPO group submitted together meet in one batch and share their
+        prompt, even when an idle consumer is blocked on the stream. One `submit` span each."""
+        self._wait_for_room(sum(req.num_tokens for _, req in jobs))
+        spans = [start_span("submit", job_id=j, tokens=req.num_tokens) for j, req in jobs]
+        pipe = self.r.pipeline(transaction=True)
+        for (job_id, req), s in zip(jobs, spans, strict=True):
+            fields = encode_job(req.model_copy(update={"trace": s.carrier}), job_id=job_id)
+            self.streams.submit(job_id, fields, tokens=req.num_tokens, client=pipe)
+        try:
+            entries = pipe.execute()
+        except BaseException as exc:
+            for s in spans:
+                end_span(s, exc)
+            raise
+        for s, entry in zip(spans, entries, strict=True):
+            s.set(enqueued=entry is not None)
+            end_span(s)
 
     def _wait_for_room(self, tokens: int) -> None:
         """Backpressure: block (or raise, by setting) while the queue holds more pending

@@ -108,14 +108,22 @@ class Streams:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def submit(self, job_id: str, fields: dict[str, Any], *, tokens: int) -> bytes | None:
-        """Add a job unless its id was submitted before; returns the entry id or None.
-        `tokens` is added to the pending-token counter when the job is enqueued."""
+    def submit(
+        self,
+        job_id: str,
+        fields: dict[str, Any],
+        *,
+        tokens: int,
+        client: redis.Redis | redis.client.Pipeline | None = None,
+    ) -> bytes | None:
+        """Add a job unless its id was submitted before; returns the entry id or None (on a
+        pipeline `client`, its execute() returns it). `tokens` is added to the pending-token
+        counter when the job is enqueued."""
         argv: list[Any] = [keys.SUBMITTED_TTL_S, tokens]
         for k, v in fields.items():
             argv += [k, v]
         keys_ = [keys.submitted_key(self.queue, job_id), self.jobs, self.pending_tokens_key]
-        return self._submit(keys=keys_, args=argv)
+        return self._submit(keys=keys_, args=argv, client=client)
 
     def ack(self, entry_id: str, *, tokens: int) -> None:
         """Acknowledge an entry without writing a result (e.g. a duplicate)."""

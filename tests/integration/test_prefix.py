@@ -94,3 +94,30 @@ def test_jobs_sharing_prompts_run_in_one_batch_and_match_the_reference(
     a, b = results[0], results[1]
     p = 20
     np.testing.assert_array_equal(a.sampled_token_ids[:p], b.sampled_token_ids[:p])
+
+
+def test_groups_submitted_one_at_a_time_to_an_idle_consumer_share_their_prompt(
+    settings, start_consumer
+) -> None:
+    """A trainer sends one GRPO group per submit call; the consumer is already waiting on
+    the stream. Each call reaches the stream in one transaction, so the consumer never takes
+    a group's first response before the rest arrive: every prompt is computed once."""
+    proc = start_consumer(settings)  # ready and blocked on the stream before any submit
+    client = TeacherClient(settings)
+    rng = np.random.default_rng(5)
+    prompt_len, responses, groups = 80, 6, 4  # prompts found by tokens: >= 64 (prefix.py)
+    ids = []
+    for _ in range(groups):
+        prompt = rng.integers(0, VOCAB, size=prompt_len)
+        group = [
+            TeacherRequest(input_ids=np.concatenate([prompt, rng.integers(0, VOCAB, size=int(n))]))
+            for n in rng.integers(5, 30, size=responses)
+        ]
+        ids += client.submit(group)
+        client.wait(ids[-responses:], timeout=60)  # the next group comes after this one's
+    assert all(r.ok for r in client.wait(ids, timeout=60))
+    batches = _batches(proc.log_path.read_text())
+    assert [b["jobs"] for b in batches] == [responses] * groups
+    # Each response after a group's first reuses its prompt's rows.
+    saved = sum(b["prefix_tokens_saved"] for b in batches)
+    assert saved == groups * (responses - 1) * prompt_len
