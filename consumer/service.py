@@ -150,7 +150,7 @@ def run(settings: Settings) -> int:
             generation=served.generation,
             control_cursor=control_cursor,
         )
-        from shared.spans import install_sink
+        from shared.trace_store import install_sink
 
         sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")
         try:
