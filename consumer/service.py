@@ -8,11 +8,13 @@ import torch
 from consumer import cpu_compat
 from consumer.batching import batch_from_jobs, broadcast_text
 from consumer.faults import FaultInjector
+from consumer.follower import follow
 from consumer.graphs import GraphedForward
+from consumer.leader import Leader
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.scoring import Scorer
-from consumer.worker import Leader, StopFlag, follow
+from consumer.stop import StopFlag
 from shared.messages import Job, TeacherRequest
 from shared.settings import Settings
 
@@ -155,7 +157,7 @@ def run(settings: Settings) -> int:
             generation=served.generation,
             control_cursor=control_cursor,
         )
-        from shared.spans import install_sink
+        from shared.trace_store import install_sink
 
         sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")
         try:

@@ -8,7 +8,7 @@ Phases measured inside one call can be attached afterwards as children with expl
 wall-clock times (a job's queue wait) are recorded with `record`.
 
 Every finished span becomes a record (a plain dict, see `SpanRecord`) handed to the span sink,
-if one is configured (`configure_sink`, once in `main()`); `shared.spans.RedisSpanSink` stores
+if one is configured (`configure_sink`, once in `main()`); `shared.trace_store.RedisSpanSink` stores
 them so `teacherq trace` can rebuild a job's tree from every process it crossed. This module
 knows nothing about Redis: a sink is any callable taking one record.
 
@@ -501,7 +501,7 @@ class PhaseClock:
     record no spans themselves: their offsets travel to the leader in a small collective.
 
     Device work is asynchronous: the host leaves a phase as soon as the work is queued. Give
-    `device_mark` (e.g. `consumer.worker.cuda_marks`) to charge each phase until its device
+    `device_mark` (e.g. `consumer.agreement.cuda_marks`) to charge each phase until its device
     work is done: called at the end of each phase it marks the device's queue and returns a
     callable that later resolves to the moment, in seconds from the clock's creation, the
     device got there. Marks are read only in `offsets`, so the clock never makes the host wait

@@ -1,0 +1,67 @@
+"""Failing for good, on the consumer side: a job that must not, or can no longer, be computed.
+
+The record itself (`DeadLetter`) and its replay live in shared/deadletter.py; here the
+consumer writes it together with the job's failed result, so that waiters get the error.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from consumer.metrics import ConsumerMetrics
+from consumer.replica import LoadedModel
+from consumer.writer import ResultWriter, WriteTask
+from shared.deadletter import DeadLetter
+from shared.messages import TeacherResult, entry_tokens
+
+log = structlog.get_logger("teacherq.consumer")
+
+
+class DeadLetters:
+    """Moves entries to the dead-letter stream and gives their waiters the error."""
+
+    def __init__(
+        self, *, writer: ResultWriter, metrics: ConsumerMetrics, loaded: LoadedModel, consumer: str
+    ) -> None:
+        self.writer = writer
+        self.metrics = metrics
+        self.loaded = loaded
+        self.consumer = consumer
+
+    def send(
+        self,
+        entry_id: str,
+        fields: dict[bytes, bytes],
+        *,
+        reason: str,
+        exc_type: str,
+        deliveries: int,
+        attempts: int = 0,
+    ) -> None:
+        """Move an entry to the dead-letter stream with why, and give waiters the error.
+
+        `deliveries` is how often the entry was delivered; `attempts` how often it was
+        actually computed (0 for invalid input)."""
+        letter = DeadLetter.for_entry(
+            entry_id,
+            fields,
+            reason=reason,
+            exception=exc_type,
+            deliveries=deliveries,
+            attempts=attempts,
+            consumer=self.consumer,
+        )
+        job_id = letter.job_id
+        result = TeacherResult(job_id=job_id, model_version=self.loaded.version, error=reason)
+        self.writer.write_now(
+            WriteTask(
+                result=result,
+                entry_id=entry_id,
+                tokens=entry_tokens(fields),
+                status="failed",
+                dead_letter=letter,
+            )
+        )
+        self.metrics.dead_lettered(reason=exc_type)
+        self.metrics.job_failed(reason=exc_type)
+        log.warning("job.dead_lettered", job_id=job_id, entry_id=entry_id, reason=reason)
