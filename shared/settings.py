@@ -281,9 +281,22 @@ class _FileSource(PydanticBaseSettingsSource):
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f":{mark.line + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise SettingsError(
+                    f"TEACHERQ_CONFIG={path}{where}: not valid YAML ({problem})"
+                ) from None
         else:
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise SettingsError(
+                    f"TEACHERQ_CONFIG={path}:{exc.lineno}: not valid JSON ({exc.msg})"
+                ) from None
         if not isinstance(data, dict):
             raise SettingsError(
                 f"{path}: expected a mapping of sections, got {type(data).__name__}"
@@ -303,12 +316,20 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
+        config = os.environ.get("TEACHERQ_CONFIG")
         lines = []
         for err in exc.errors():
             loc = "__".join(str(p) for p in err["loc"]).upper()
-            where = f"TEACHERQ_{loc}" if loc else "settings"
-            lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-        raise SettingsError("invalid teacherq settings:\n  " + "\n  ".join(lines)) from None
+            env = f"TEACHERQ_{loc}"
+            if not loc:
+                where = "settings"
+            elif env in os.environ or not config:
+                where = env
+            else:  # the value can only have come from the file
+                where = f"{config}: {'.'.join(str(p) for p in err['loc'])} (or {env})"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+        raise SettingsError("invalid teacherq settings: " + "; ".join(lines)) from None
 
 
 def to_env(settings: Settings) -> dict[str, str]:

@@ -10,8 +10,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from producer.client import TeacherClient
 from producer.datasets.io import RawRow, iter_rows, open_input
 from producer.datasets.lease import Lease
@@ -26,9 +24,10 @@ from producer.datasets.track import Tracker
 from producer.datasets.worker import continue_step, enqueue_step
 from shared import keys
 from shared.errors import InvalidJob
+from shared.log import get_logger
 from shared.messages import Limits, TeacherRequest, check_limits, parse_request
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 _OPTION_FIELDS = ("sample_n", "top_k", "return_entropy", "temperature", "seed")
 

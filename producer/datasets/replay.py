@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import redis
-import structlog
 from rq import Queue
 from rq.job import Job as RqJob
 from rq.serializers import JSONSerializer
@@ -20,9 +19,10 @@ from producer.datasets.lease import leased
 from producer.datasets.records import DatasetRecord, Entries, find_dataset
 from producer.datasets.worker import EXPORT_QUEUE, INGEST_QUEUE, enqueue_step, step_alive
 from shared import keys
+from shared.log import get_logger
 from shared.settings import Settings
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 # KEYS: result, submitted marker, finished bitmap, failed bitmap. ARGV: row.
 # 1: replay it (a failed result, or a previous replay that stopped between this and the

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-import structlog
-
 from producer.client import TeacherClient
 from producer.datasets.io import probe_input
 from producer.datasets.records import (
@@ -25,8 +23,9 @@ from producer.datasets.records import (
 )
 from producer.datasets.worker import enqueue_step, step_alive
 from shared import keys
+from shared.log import get_logger
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 # KEYS: record, index. ARGV: dataset id, time, record field/values. Creates it only if absent.
 _CREATE = """
