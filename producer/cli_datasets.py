@@ -57,6 +57,9 @@ def submit_dataset_cmd(
     ),
     batch_rows: int = typer.Option(256, help="Rows submitted (and recorded) per batch."),
     shard_rows: int = typer.Option(10_000, help="Rows per exported Parquet shard."),
+    keep_field: list[str] = typer.Option(
+        None, "--keep-field", help="A field/column rows may carry besides the request's."
+    ),
     wait: bool = typer.Option(False, "--wait", help="Block until the dataset is done."),
     timeout: float = typer.Option(None, help="With --wait: give up after this many seconds."),
 ) -> None:
@@ -84,6 +87,7 @@ def submit_dataset_cmd(
             max_pending_tokens=max_pending_tokens,
             batch_rows=batch_rows,
             shard_rows=shard_rows,
+            keep_fields=tuple(keep_field or ()),
         )
     except (DatasetError, ValueError) as exc:
         err.print(f"[red]{exc}[/red]")

@@ -7,12 +7,9 @@ and exit code, so every verb answers the same failure the same way.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
-import click
 import redis
-import typer
 from rich.console import Console
 
 from shared import exitcodes
@@ -77,15 +74,11 @@ def run_app(app: Callable[..., object], argv: list[str]) -> int:
     debug = "--debug" in argv
     args = [a for a in argv if a != "--debug"]
     try:
-        code = app(args=args, standalone_mode=False, prog_name="teacherq")
-    except click.exceptions.Abort:
-        err.print("interrupted")
-        return exitcodes.INTERRUPTED
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except typer.Exit as exc:  # raised outside click's handling (e.g. in a callback)
-        return exc.exit_code
+        # Standalone mode: click itself reports usage errors (exit 2) and --help; everything
+        # else a verb raises comes here.
+        app(args=args, standalone_mode=True, prog_name="teacherq")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:
         err.print("interrupted")
         return exitcodes.INTERRUPTED
@@ -98,15 +91,4 @@ def run_app(app: Callable[..., object], argv: list[str]) -> int:
         for line in lines[1:]:
             err.print(line, markup=False)
         return code
-    return code if isinstance(code, int) else exitcodes.OK
-
-
-def exit_with(code: int, message: str) -> typer.Exit:
-    """Print `message` (one or two lines) on stderr and return the Exit to raise."""
-    err.print(message, markup=False)
-    return typer.Exit(code)
-
-
-def main_entry(app: Callable[..., object]) -> None:
-    """`sys.exit(run_app(app, sys.argv[1:]))`."""
-    sys.exit(run_app(app, sys.argv[1:]))
+    return exitcodes.OK

@@ -30,7 +30,10 @@ def probe_checkpoint(path: str | Path) -> str:
     looks like a servable checkpoint; returns 'hf' or 'megatron'."""
     p = Path(path)
     if not p.exists():
-        raise InvalidCheckpoint(f"checkpoint path {str(p)!r} does not exist (on this machine)")
+        raise InvalidCheckpoint(
+            f"checkpoint path {str(p)!r} does not exist here (a path only the consumers can "
+            "read: --no-check / check=False)"
+        )
     if not p.is_dir():
         raise InvalidCheckpoint(f"checkpoint path {str(p)!r} is a file; expected a directory")
     if (p / "config.json").is_file():

@@ -283,6 +283,8 @@ def test_2000_rows_ingest_consume_export_equals_results(
         "11",
         "--shard-rows",
         "700",
+        "--keep-field",
+        "text",
     ]
     sub = _cli(settings, *args)
     assert sub.returncode == 0, sub.stderr
@@ -428,7 +430,10 @@ def test_bad_rows_fail_alone_and_are_reported(
     client = TeacherClient(settings)
     worker = start_worker(settings)
     done = submit_dataset(
-        client, input=f"s3://{s3_bucket}/in/rows.parquet", output=f"s3://{s3_bucket}/out/run1"
+        client,
+        input=f"s3://{s3_bucket}/in/rows.parquet",
+        output=f"s3://{s3_bucket}/out/run1",
+        keep_fields=("text",),
     )
     rec = wait_state(client, done.dataset_id, ("ingested",), timeout=60, workers=(worker,))
     assert rec.rows_rejected == len(bad) and rec.rows_queued == 300 - len(bad)
