@@ -244,12 +244,16 @@ def update_weights(
         raise typer.BadParameter("give a checkpoint PATH or --reset (not both)")
     settings = _settings()
     _setup_logging(settings)
+    if path is not None and check:
+        from shared.checkpoint_probe import probe_checkpoint
+
+        probe_checkpoint(path)  # before connecting: a typo starts nothing
     client = _client(settings)
     if reset:
         req = client.reset_weights(wait=wait, timeout=timeout)
     else:
         assert path is not None
-        req = client.update_weights(path, wait=wait, timeout=timeout, check=check)
+        req = client.update_weights(path, wait=wait, timeout=timeout, check=False)  # done above
     target = "configured models" if reset else path
     how = "joined the running update" if req.coalesced else "started"
     if req.no_consumer:
@@ -271,21 +275,31 @@ def consumer() -> None:
 def redis_cmd(
     action: Annotated[str, typer.Argument(help="start | stop | url")] = "start",
 ) -> None:
-    """Manage the embedded valkey-server under ./.teacherq/ (start prints its URL)."""
-    from shared.redis_server import ensure_embedded, stop_embedded
+    """Manage the embedded valkey-server (one per project or per user; see
+    TEACHERQ_REDIS__HOME). `start` starts it if needed and prints its URL; `url` prints the
+    running server's URL without starting anything (exit 69 when none runs); `stop` stops it."""
+    from shared.redis_server import ensure_embedded, running_url, stop_embedded
 
     settings = _settings()
     home = Path(settings.redis.home)
-    if action in ("start", "url"):
+    if settings.redis.url:
+        err.print(f"note: TEACHERQ_REDIS__URL={settings.redis.url} is set; commands use it, "
+                  "not the embedded server")  # fmt: skip
+    if action == "url":
+        url = running_url(home)
+        if url is None:
+            err.print(f"no embedded server runs in {home} (`teacherq redis start` starts one)")
+            raise typer.Exit(exitcodes.UNAVAILABLE)
+        typer.echo(url)
+    elif action == "start":
         url, started = ensure_embedded(home)
         typer.echo(url)
-        if started:
-            err.print(f"started embedded valkey-server in {home.resolve()} (AOF on)")
+        err.print(f"{'started' if started else 'already running:'} embedded valkey-server "
+                  f"in {home} (AOF on)")  # fmt: skip
     elif action == "stop":
         typer.echo("stopped" if stop_embedded(home) else "not running")
     else:
-        err.print(f"[red]unknown action {action!r}; expected start, stop or url[/red]")
-        raise typer.Exit(2)
+        raise typer.BadParameter(f"unknown action {action!r}; expected start, stop or url")
 
 
 from producer.cli_observe import register as _register_observe  # noqa: E402 - after app exists

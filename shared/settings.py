@@ -15,7 +15,29 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-DEFAULT_HOME = Path(".teacherq")
+HOME_DIR_NAME = ".teacherq"
+# A directory holding one of these is a project root: its .teacherq/ is the project's home.
+PROJECT_MARKERS = ("pyproject.toml", ".git")
+
+
+def default_home(start: Path | None = None) -> Path:
+    """Where the embedded server and local results live when `redis.home` is not set: one
+    place per project or per user, never per current directory.
+
+    Walking up from `start` (the current directory): the nearest existing `.teacherq/`, else
+    `.teacherq/` beside the nearest `pyproject.toml` or `.git`; outside any project, the
+    per-user `$XDG_STATE_HOME/teacherq` (`~/.local/state/teacherq`). Absolute.
+    """
+    here = (start or Path.cwd()).resolve()
+    chain = [here, *here.parents]
+    for d in chain:
+        if (d / HOME_DIR_NAME).is_dir():
+            return d / HOME_DIR_NAME
+    for d in chain:
+        if any((d / m).exists() for m in PROJECT_MARKERS):
+            return d / HOME_DIR_NAME
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state).resolve() / "teacherq"
 
 
 class _Section(BaseModel):
@@ -27,8 +49,10 @@ class RedisSettings(_Section):
     """Redis/Valkey URL (redis:// or rediss://, password in the URL). Unset: the embedded
     valkey-server under `home`, started on first use and shared by every local process."""
 
-    home: Path = DEFAULT_HOME
-    """Directory of the embedded server (data, AOF, pid file, log)."""
+    home: Path = Field(default_factory=default_home)
+    """Directory of the embedded server (data, AOF, pid file, log). Unset: the project's
+    `.teacherq/` (found by walking up to an existing `.teacherq/`, a `pyproject.toml` or a
+    `.git`), else the per-user `$XDG_STATE_HOME/teacherq` (`~/.local/state/teacherq`)."""
 
     socket_timeout_s: float = 30.0
     """Client socket timeout; blocking reads use shorter BLOCK times than this."""
@@ -113,8 +137,9 @@ class ParallelSettings(_Section):
 
 
 class StorageSettings(_Section):
-    url: str = "file://.teacherq/objects"
-    """Object store for bulk results: file://PATH, s3://BUCKET/PREFIX or memory://."""
+    url: str = ""
+    """Object store for bulk results: file://PATH, s3://BUCKET/PREFIX or memory://. Unset:
+    `file://<redis.home>/objects`, beside the embedded server."""
 
     endpoint: str | None = None
     """S3 endpoint URL (MinIO, moto); unset: AWS or the standard AWS_* environment."""
@@ -250,6 +275,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"parallel.pp={self.parallel.pp}: pipeline parallelism is not supported; use pp=1"
             )
+        if not self.storage.url:
+            # A value derived from another section: set once here, while the tree is built
+            # (frozen models have no other way in).
+            derived = self.storage.model_copy(update={"url": f"file://{self.redis.home}/objects"})
+            object.__setattr__(self, "storage", derived)
         return self
 
     @classmethod
@@ -353,7 +383,10 @@ def settings_reference() -> str:
         for name, field in model.model_fields.items():
             env = f"TEACHERQ_{section}__{name}".upper()
             default = field.default
-            shown = "unset" if default is None else f"`{default}`"
+            if field.default_factory is not None or default == "":
+                shown = "unset"
+            else:
+                shown = "unset" if default is None else f"`{default}`"
             doc = " ".join((field.description or "").split())
             rows.append(f"| `{env}` | {shown} | {doc} |")
     return "\n".join(rows)
