@@ -12,12 +12,14 @@ import torch
 from consumer import cpu_compat
 from consumer.batching import batch_from_jobs, broadcast_text
 from consumer.faults import FaultInjector
+from consumer.follower import follow
 from consumer.graphs import GraphedForward
+from consumer.leader import Leader
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.reload import load_agreed
 from consumer.scoring import Scorer
-from consumer.worker import Leader, StopFlag, follow
+from consumer.stop import StopFlag
 from shared import weights
 from shared.messages import Job, TeacherRequest
 from shared.settings import Settings
