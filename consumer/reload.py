@@ -2,9 +2,9 @@
 
 A weight update (or a start-up on a queue's updated weights) must never take a replica down:
 `load_agreed` runs the load on every rank of the tensor-parallel group and agrees on the
-outcome with one tiny all-reduce, so a checkpoint that fails on any rank is dropped by all of
-them and the replica goes on serving its current weights. `check_weights` is the cheap check
-a leader runs before telling its peers to load anything.
+outcome with one tiny all-reduce (`consumer.agreement.agree`), so a checkpoint that fails on
+any rank is dropped by all of them and the replica goes on serving its current weights.
+`check_weights` is the cheap check a leader runs before telling its peers to load anything.
 """
 
 from __future__ import annotations
@@ -16,18 +16,11 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from consumer.agreement import agree
+
 log = structlog.get_logger("teacherq.consumer")
 
 T = TypeVar("T")
-
-
-def all_ok(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """True only if every rank of the group is ok (one tiny all-reduce; no group: `ok`)."""
-    if group is None:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def describe(exc: BaseException) -> str:
@@ -39,18 +32,18 @@ def describe(exc: BaseException) -> str:
 
 
 def load_agreed(
-    build: Callable[[], T], *, group: dist.ProcessGroup | None, device: torch.device, path: str
+    load: Callable[[str], T], path: str, *, group: dist.ProcessGroup | None, device: torch.device
 ) -> tuple[T | None, str | None]:
-    """Run `build` on every rank; `(value, None)` when every rank succeeded, else
+    """Run `load(path)` on every rank; `(value, None)` when every rank succeeded, else
     `(None, reason)` on every rank (the reason is this rank's, or that a peer failed)."""
     value: T | None = None
     reason: str | None = None
     try:
-        value = build()
+        value = load(path)
     except Exception as exc:  # a failed load is reported and survived, never fatal
         reason = describe(exc)
         log.exception("weights.load_failed", path=path or "(configured model)", error=reason)
-    if all_ok(reason is None, group, device):
+    if agree(reason is None, group, device):
         return value, None
     del value  # free what this rank loaded: the group keeps its old weights
     return None, reason or "a peer rank could not load the weights (see its log)"

@@ -110,9 +110,11 @@ def start_model(
     path = broadcast_text(
         (choice.path or "") if choice else "", src=layout.leader_rank, group=group
     )
-    loaded, reason = load_agreed(
-        lambda: build_scorer(settings, layout, path or None), group=group, device=device, path=path
-    )
+
+    def load(p: str) -> tuple[Scorer, str]:
+        return build_scorer(settings, layout, p or None)
+
+    loaded, reason = load_agreed(load, path, group=group, device=device)
     if loaded is not None:
         if choice is not None:
             log.info("model.selected", path=path or settings.model.path or "(tiny preset)",

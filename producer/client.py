@@ -292,7 +292,7 @@ class TeacherClient:
 
     def _request_weights(self, path: str, *, wait: bool, timeout: float) -> UpdateRequest:
         req = weights.request_update(self.r, self.queue, path)
-        log.info("weights.requested", path=path or "(configured)", generation=req.generation,
+        log.debug("weights.requested", path=path or "(configured)", generation=req.generation,
                  coalesced=req.coalesced)  # fmt: skip
         fresh_s = 3 * self.settings.consumer.heartbeat_interval_s
         if not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s):
