@@ -291,11 +291,13 @@ class TeacherClient:
         return self._request_weights(weights.CONFIGURED, wait=wait, timeout=timeout)
 
     def _request_weights(self, path: str, *, wait: bool, timeout: float) -> UpdateRequest:
-        req = weights.request_update(self.r, self.queue, path)
+        fresh_s = 3 * self.settings.consumer.heartbeat_interval_s
+        # An update whose consumers all died mid-way has nobody left to finish it: replace it.
+        orphaned = not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s)
+        req = weights.request_update(self.r, self.queue, path, take_over=orphaned)
         log.debug("weights.requested", path=path or "(configured)", generation=req.generation,
                  coalesced=req.coalesced)  # fmt: skip
-        fresh_s = 3 * self.settings.consumer.heartbeat_interval_s
-        if not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s):
+        if orphaned and not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s):
             return dataclasses.replace(req, no_consumer=True)
         if wait:
             weights.wait_done(self.r, self.queue, req.generation, timeout_s=timeout)

@@ -11,8 +11,9 @@ failed) and the weights a replica starts on (`active_path`, `active_generation`)
 - A request (`request_update`) atomically bumps the generation and appends an `update-weights`
   command — unless an update is still running: a request for the same path then coalesces
   into it (same request id and generation), and one for another path is refused with the path
-  in progress named. An update older than `stale_after_s` no longer blocks new ones, and a
-  failed one never does.
+  in progress named. An update older than `stale_after_s`, or one no live consumer is left
+  to finish (`take_over`, decided by the client), no longer blocks new ones; a failed one
+  never does.
 - Each replica checks and loads the new weights, then records the generation it serves
   (`ack_update`). The ack that finds every live replica at the new generation marks the update
   done, makes it the active weights and appends `weights-done`, which waiting clients block on.
@@ -43,10 +44,11 @@ from shared.streams import Fields, StreamReply
 # A reset (back to each consumer's configured model) travels as this path.
 CONFIGURED = ""
 
-# KEYS: weights hash, control stream. ARGV: path, new request id, now, stale-after seconds.
+# KEYS: weights hash, control stream. ARGV: path, new request id, now, stale-after seconds,
+# "1" to take over a running update (nobody is left to finish it).
 _REQUEST = """
 local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'updating' then
+if state == 'updating' and ARGV[5] ~= '1' then
   local started = tonumber(redis.call('HGET', KEYS[1], 'started_at') or '0')
   if tonumber(ARGV[3]) - started < tonumber(ARGV[4]) then
     local path = redis.call('HGET', KEYS[1], 'path')
@@ -191,14 +193,20 @@ def start_choice(served: Served, *, stale_after_s: float = 1800.0) -> StartChoic
 
 
 def request_update(
-    r: redis.Redis, queue: str, path: str, *, stale_after_s: float = 1800.0
+    r: redis.Redis,
+    queue: str,
+    path: str,
+    *,
+    stale_after_s: float = 1800.0,
+    take_over: bool = False,
 ) -> UpdateRequest:
     """Ask every replica of `queue` to reload from `path` ("" = their configured model;
-    coalescing, see module doc)."""
+    coalescing, see module doc). `take_over` replaces a running update instead of joining or
+    refusing it: for when no live consumer is left to finish it."""
     script = r.register_script(_REQUEST)
     status, value, gen = script(
         keys=[keys.weights_key(queue), keys.control_stream(queue)],
-        args=[path, secrets.token_hex(6), time.time(), stale_after_s],
+        args=[path, secrets.token_hex(6), time.time(), stale_after_s, "1" if take_over else "0"],
     )
     status, value = status.decode(), value.decode()
     if status == "busy":

@@ -230,3 +230,33 @@ def test_submit_dataset_rejects_a_misspelled_field_like_submit(settings, tmp_pat
         "topk",
     )  # fmt: skip
     assert kept.returncode == 0, kept.stderr
+
+
+def _fake_hf(path: Path) -> Path:
+    """A directory the CLI's probe accepts (config.json of a served family, a safetensors
+    file); only a consumer would find it empty."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_update_without_consumers_never_blocks_the_next(settings, tmp_path, r) -> None:
+    """With no live consumer an update is recorded for the next consumer to start and the
+    CLI says so (exit 0, no wait); an update left running by consumers that died no longer
+    refuses the next one."""
+    from shared.weights import current, request_update
+
+    a, b = _fake_hf(tmp_path / "a"), _fake_hf(tmp_path / "b")
+    q = settings.queue.name
+    request_update(r, q, str(a))  # as if its consumers died mid-update
+    t0 = time.monotonic()
+    proc = cli(settings, "update-weights", str(b))
+    assert proc.returncode == 0, proc.stderr
+    assert "no live consumer" in proc.stdout and time.monotonic() - t0 < 30
+    w = current(r, q)
+    assert (w.path, w.generation, w.state) == (str(b), 2, "updating")
+    proc = cli(settings, "update-weights", "--reset")
+    assert proc.returncode == 0 and current(r, q).path is None
+    both = cli(settings, "update-weights", str(a), "--reset")
+    assert both.returncode == exitcodes.USAGE
