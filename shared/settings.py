@@ -115,7 +115,9 @@ class QueueSettings(_Section):
 class ModelSettings(_Section):
     path: str | None = None
     """Teacher checkpoint: a Hugging Face safetensors directory or a Megatron torch_dist
-    checkpoint. Unset: the built-in tiny random-init preset (fixed seed)."""
+    checkpoint. Unset: the built-in tiny random-init preset (fixed seed). After a done
+    `teacherq update-weights` a starting consumer serves the queue's updated weights instead
+    (logged as `model.selected`); `update-weights --reset` returns to this one."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype. float32 on CPU; bfloat16 is the usual choice on GPUs."""
@@ -248,7 +250,9 @@ class ConsumerSettings(_Section):
 
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    """Minimum log level."""
+    """Minimum log level of every teacherq process (logs always go to stderr). In a process
+    that did not configure logging, e.g. a trainer using TeacherClient, the environment
+    variable alone counts and its default is warning."""
 
     format: Literal["auto", "json", "console"] = "auto"
     """auto: pretty on a TTY, JSON lines otherwise."""
