@@ -174,7 +174,7 @@ def cancel(job_ids: Annotated[list[str], typer.Argument(help="Job ids to cancel.
     settings = _settings()
     _setup_logging(settings)
     client = _client(settings)
-    client.results(job_ids)  # raises UnknownJob before anything is cancelled
+    client.check_known(job_ids)  # raises UnknownJob before anything is cancelled
     for job_id in job_ids:
         client.cancel(job_id)
         typer.echo(f"cancelled {job_id}")

@@ -153,12 +153,12 @@ class TeacherClient:
             pipe.hgetall(keys.result_key(self.queue, job_id))
         records = pipe.execute()
         if strict:
-            self._check_known([j for j, rec in zip(job_ids, records, strict=True) if not rec])
+            self.check_known([j for j, rec in zip(job_ids, records, strict=True) if not rec])
         return [decode_record(rec, store=self.store) if rec else None for rec in records]
 
-    def _check_known(self, job_ids: Sequence[str]) -> None:
-        """Raise `UnknownJob` for the ids never submitted to this queue (no record, no
-        submit marker): a typo must not wait forever or create anything."""
+    def check_known(self, job_ids: Sequence[str]) -> None:
+        """Raise `UnknownJob` naming the ids never submitted to this queue (no result record,
+        no submit marker): a typo must not wait forever or create anything."""
         if not job_ids:
             return
         pipe = self.r.pipeline(transaction=False)
@@ -247,7 +247,7 @@ class TeacherClient:
         """Cancel a job: it is not computed if not started yet, and a result it already has
         is replaced by a `cancelled` failure. Waiters get that failure. Raises `UnknownJob`
         (and changes nothing) for an id never submitted to this queue."""
-        self._check_known([job_id])
+        self.check_known([job_id])
         record = encode_record(
             TeacherResult(job_id=job_id, error="cancelled by the user"),
             queue=self.queue,

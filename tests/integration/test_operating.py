@@ -260,3 +260,39 @@ def test_update_without_consumers_never_blocks_the_next(settings, tmp_path, r) -
     assert proc.returncode == 0 and current(r, q).path is None
     both = cli(settings, "update-weights", str(a), "--reset")
     assert both.returncode == exitcodes.USAGE
+
+
+def test_client_draws_no_progress_bar_on_a_terminal_unasked(settings) -> None:
+    """With stderr on a terminal, a trainer's `wait` draws nothing (the bar is opt-in:
+    `progress=True`), while `progress=True` does draw one there."""
+    import pty
+    import select
+
+    script = _TRAINER.replace('print("trainer-output")', "client.wait(ids[:1], progress=ARG)")
+    seen: dict[bool, str] = {}
+    for asked in (False, True):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")}
+        env.update(to_env(settings), PYTHONPATH=str(REPO), COLUMNS="120")
+        env.pop("TEACHERQ_LOG__LEVEL", None)
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script.replace("ARG", str(asked))],
+            env=env, stdout=subprocess.PIPE, stderr=slave,
+        )  # fmt: skip
+        os.close(slave)
+        chunks = b""
+        while select.select([master], [], [], 60)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the other end closed
+                break
+            if not chunk:
+                break
+            chunks += chunk
+        os.close(master)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, chunks.decode(errors="replace")
+        assert out == b""
+        seen[asked] = chunks.decode(errors="replace")
+    assert seen[False] == ""
+    assert "teacher jobs" in seen[True]
