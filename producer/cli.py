@@ -33,9 +33,12 @@ def _settings() -> Settings:
 
 
 def _setup_logging(settings: Settings) -> None:
+    """Logging of a one-shot verb: stderr, at `log.level` when it is set (environment or
+    config file), else warning: a verb's output is its answer, not one log line per job."""
     from shared.log import configure_logging
 
-    configure_logging(level=settings.log.level, fmt=settings.log.format)
+    level = settings.log.level if "level" in settings.log.model_fields_set else "warning"
+    configure_logging(level=level, fmt=settings.log.format)
 
 
 def _client(settings: Settings):

@@ -250,9 +250,10 @@ class ConsumerSettings(_Section):
 
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    """Minimum log level of every teacherq process (logs always go to stderr). In a process
-    that did not configure logging, e.g. a trainer using TeacherClient, the environment
-    variable alone counts and its default is warning."""
+    """Minimum log level of every teacherq process (logs always go to stderr). Unset: info
+    for the services (consumer, rq worker), warning for one-shot CLI verbs and for a process
+    that did not configure logging, e.g. a trainer using TeacherClient, where the environment
+    variable alone counts."""
 
     format: Literal["auto", "json", "console"] = "auto"
     """auto: pretty on a TTY, JSON lines otherwise."""

@@ -26,12 +26,13 @@ def cli(
     settings: Settings | None,
     *args: str,
     stdin: str | None = None,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
     """Run `teacherq ARGS` (this checkout's code) and capture everything."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")}
     full = {**base, **(to_env(settings) if settings else {}), **(env or {})}
+    full = {k: v for k, v in full.items() if v is not None}  # env value None: unset it
     full["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [sys.executable, "-m", "producer.cli", *args],
@@ -296,3 +297,15 @@ def test_client_draws_no_progress_bar_on_a_terminal_unasked(settings) -> None:
         seen[asked] = chunks.decode(errors="replace")
     assert seen[False] == ""
     assert "teacher jobs" in seen[True]
+
+
+def test_cli_verbs_log_per_job_only_when_asked(settings) -> None:
+    """`teacherq submit` prints its job ids and nothing on stderr unless TEACHERQ_LOG__LEVEL
+    asks for logs (then one `submit.end` line per job, on stderr)."""
+    lines = "".join(json.dumps({"input_ids": [1, 2, n]}) + "\n" for n in range(3, 6))
+    quiet = cli(settings, "submit", "-", stdin=lines, env={"TEACHERQ_LOG__LEVEL": None})
+    assert quiet.returncode == 0 and len(quiet.stdout.split()) == 3
+    assert quiet.stderr == ""
+    loud = cli(settings, "submit", "-", stdin=lines, env={"TEACHERQ_LOG__LEVEL": "info"})
+    assert loud.returncode == 0 and loud.stdout == quiet.stdout
+    assert loud.stderr.count('"submit.end"') == 3
