@@ -165,3 +165,25 @@ def test_tp2_replica_updates_and_resets_together(settings, start_consumer, check
     client.reset_weights(timeout=120)
     assert _served_version(client, [1, 2, 3, 7], "tp-reset") == tiny
     assert proc.poll() is None
+
+
+def test_consumer_starting_on_a_bad_pending_update_falls_back(
+    settings, start_consumer, checkpoints
+) -> None:
+    """An update requested while no consumer ran, to weights no consumer can load: the first
+    consumer to start tries it, records it as failed (reason, who) and serves its configured
+    model instead of exiting; consumers started after it do not try it again."""
+    from shared.weights import current, request_update
+
+    _, _, mismatch = checkpoints
+    s = fast(settings)
+    request_update(TeacherClient(s).r, s.queue.name, str(mismatch))
+    proc = start_consumer(s)
+    client = TeacherClient(s)
+    assert _served_version(client, [1, 2, 3, 4], "fallback").startswith("tiny-random")
+    w = current(client.r, s.queue.name)
+    assert w.state == "failed" and "(starting)" in (w.failed_by or "")
+    assert "missing" in (w.error or "")
+    log = proc.log_path.read_text()
+    assert '"model.fallback"' in log and '"model.selected"' in log
+    assert start_choice(w).path is None  # the next consumer starts on its settings
