@@ -21,6 +21,7 @@ from consumer.reload import load_agreed
 from consumer.scoring import Scorer
 from consumer.stop import StopFlag
 from shared import weights
+from shared.errors import InvalidCheckpoint
 from shared.messages import Job, TeacherRequest
 from shared.settings import Settings
 
@@ -146,8 +147,8 @@ def start_model(
     return scorer, version, generation
 
 
-class CheckpointLoadError(RuntimeError):
-    """The configured model (TEACHERQ_MODEL__PATH) cannot be loaded."""
+class CheckpointLoadError(InvalidCheckpoint):
+    """The configured model (TEACHERQ_MODEL__PATH) cannot be loaded: a configuration error."""
 
 
 def run(settings: Settings) -> int:
