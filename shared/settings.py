@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from shared.errors import TeacherqError
+
 HOME_DIR_NAME = ".teacherq"
 # A directory holding one of these is a project root: its .teacherq/ is the project's home.
 PROJECT_MARKERS = ("pyproject.toml", ".git")
@@ -339,7 +341,7 @@ class _FileSource(PydanticBaseSettingsSource):
         return data
 
 
-class SettingsError(ValueError):
+class SettingsError(TeacherqError, ValueError):
     """Settings could not be built; the message names each bad field and what is allowed."""
 
 
