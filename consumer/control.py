@@ -25,7 +25,7 @@ import torch.distributed as dist
 from consumer.batching import RELOAD, SLEEP, WAKE, broadcast_header, broadcast_text
 from consumer.heartbeat import Heartbeat
 from consumer.reload import check_weights, load_agreed
-from consumer.replica import Served
+from consumer.replica import LoadedModel
 from consumer.scoring import Scorer
 from consumer.writer import ResultWriter
 from shared import keys, weights
@@ -45,7 +45,7 @@ class Control:
         client: redis.Redis,
         queue: str,
         consumer: str,
-        served: Served,
+        loaded: LoadedModel,
         heartbeat: Heartbeat,
         writer: ResultWriter,
         finish_inflight: Callable[[], None],
@@ -56,7 +56,7 @@ class Control:
         self.r = client
         self.queue = queue
         self.consumer = consumer
-        self.served = served
+        self.loaded = loaded
         self.heartbeat = heartbeat
         self.writer = writer
         self.finish_inflight = finish_inflight
@@ -69,15 +69,15 @@ class Control:
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
-        return self.served.scorer.layout.tp_group
+        return self.loaded.scorer.layout.tp_group
 
     def publish_model(self) -> None:
         """Record the vocabulary size and version this queue is served with (for clients)."""
         self.r.hset(
             keys.model_key(self.queue),
             mapping={
-                "vocab_size": self.served.scorer.spec.vocab_size,
-                "version": self.served.version,
+                "vocab_size": self.loaded.scorer.spec.vocab_size,
+                "version": self.loaded.version,
             },
         )
 
@@ -96,7 +96,7 @@ class Control:
                 cmd = fields.get(b"cmd")
                 if cmd == b"update-weights":
                     gen = int(fields[b"generation"])
-                    if gen > self.served.generation:
+                    if gen > self.loaded.generation:
                         newest = (fields[b"path"].decode(), gen)
                 elif cmd == b"weights-failed":
                     failed.add(int(fields[b"generation"]))
@@ -104,7 +104,7 @@ class Control:
             newest = None  # failed on another replica before this one got to it
         if newest:
             self.update_weights(*newest)
-        elif self.served.generation in failed and self.updated_to == self.served.generation:
+        elif self.loaded.generation in failed and self.updated_to == self.loaded.generation:
             self.revert()
 
     def update_weights(self, path: str, generation: int) -> None:
@@ -115,7 +115,7 @@ class Control:
         if self.reload is None:
             return
         log.info("weights.update", path=path or "(configured model)", generation=generation)
-        layout = self.served.scorer.layout
+        layout = self.loaded.scorer.layout
         problem = check_weights(path, tp=layout.tp)  # before any rank is told to load it
         if problem is None and not self._swap(path, generation):
             problem = self._load_error or "load failed"
@@ -123,7 +123,7 @@ class Control:
             weights.fail_update(self.r, self.queue, generation=generation,
                                 replica=self.consumer, reason=problem)  # fmt: skip
             log.error("weights.update_failed", path=path, generation=generation, error=problem,
-                      serving=self.served.version)  # fmt: skip
+                      serving=self.loaded.version)  # fmt: skip
             return
         self.updated_to = generation
         self.publish_model()
@@ -133,7 +133,7 @@ class Control:
         )
         log.info(
             "weights.updated",
-            model_version=self.served.version,
+            model_version=self.loaded.version,
             generation=generation,
             completed_update=done,
         )
@@ -143,14 +143,14 @@ class Control:
         active weights (those before it, or the configured model)."""
         served = weights.current(self.r, self.queue)
         path = served.active_path or ""
-        log.warning("weights.revert", failed_generation=self.served.generation,
+        log.warning("weights.revert", failed_generation=self.loaded.generation,
                     path=path or "(configured model)")  # fmt: skip
         if self._swap(path, served.active_generation):
             self.updated_to = None
             self.publish_model()
         else:
             log.error("weights.revert_failed", error=self._load_error,
-                      serving=self.served.version)  # fmt: skip
+                      serving=self.loaded.version)  # fmt: skip
 
     def _swap(self, path: str, generation: int) -> bool:
         """Drain, have every rank load `path` ("" = the configured model) and agree; True if
@@ -162,15 +162,15 @@ class Control:
         self.writer.flush()  # results computed with the old weights are stored as such
         was_asleep = self.asleep
         self.wake()
-        layout = self.served.scorer.layout
+        layout = self.loaded.scorer.layout
         broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
         broadcast_text(path, src=layout.leader_rank, group=self._group)
         loaded, self._load_error = load_agreed(
-            self.reload, path, group=self._group, device=self.served.scorer.device
+            self.reload, path, group=self._group, device=self.loaded.scorer.device
         )
         if loaded is not None:
-            self.served.scorer, self.served.version = loaded
-            self.served.generation = generation  # before the beat below reports it
+            self.loaded.scorer, self.loaded.version = loaded
+            self.loaded.generation = generation  # before the beat below reports it
         if was_asleep:
             self.sleep()
         self.heartbeat.state = "sleeping" if self.asleep else "ready"
@@ -190,8 +190,8 @@ class Control:
     def sleep(self) -> None:
         """Offload the weights on every rank of the group."""
         self.finish_inflight()
-        broadcast_header(SLEEP, src=self.served.scorer.layout.leader_rank, group=self._group)
-        self.served.scorer.offload()
+        broadcast_header(SLEEP, src=self.loaded.scorer.layout.leader_rank, group=self._group)
+        self.loaded.scorer.offload()
         self.asleep = True
         self.heartbeat.state = "sleeping"
         log.info("consumer.sleeping")
@@ -200,7 +200,7 @@ class Control:
         """Take the weights back on every rank (a no-op when awake)."""
         if not self.asleep:
             return
-        broadcast_header(WAKE, src=self.served.scorer.layout.leader_rank, group=self._group)
-        self.served.scorer.onload()
+        broadcast_header(WAKE, src=self.loaded.scorer.layout.leader_rank, group=self._group)
+        self.loaded.scorer.onload()
         self.asleep = False
         log.info("consumer.awake")

@@ -213,7 +213,7 @@ def run(settings: Settings) -> int:
             # This replica started on the running update's weights: count it as applied.
             weights.ack_update(client, settings.queue.name, replica=leader.name,
                                generation=generation, live_replicas=[leader.name])  # fmt: skip
-        from shared.spans import install_sink
+        from shared.trace_store import install_sink
 
         sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")
         try:

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from producer.replay import parse_since
+from producer.dead_letter_replay import parse_since
 from shared import exitcodes
 from shared.settings import Settings, load_settings
 
@@ -25,7 +25,8 @@ EXIT_NOT_FOUND = exitcodes.NOT_DONE  # like `teacherq results` for unfinished jo
 
 
 def parse_time(text: str, *, now: float | None = None) -> float:
-    """`producer.replay.parse_since` for a typer option: a bad value is a usage error."""
+    """`parse_since` (producer/dead_letter_replay.py) for a typer option: a bad value is a
+    usage error."""
     try:
         return parse_since(text, now=now)
     except ValueError as exc:
@@ -63,7 +64,7 @@ def trace(
         to_chrome,
         to_html,
     )
-    from shared.spans import TraceStore
+    from shared.trace_store import TraceStore
 
     chosen = [x for x in (job_id, batch, since) if x is not None]
     if len(chosen) != 1:

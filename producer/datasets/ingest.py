@@ -21,8 +21,8 @@ from producer.datasets.records import (
     row_job_id,
     unknown_fields_message,
 )
+from producer.datasets.rq_plumbing import continue_step, enqueue_step
 from producer.datasets.track import Tracker
-from producer.datasets.worker import continue_step, enqueue_step
 from shared import keys
 from shared.errors import InvalidJob
 from shared.log import get_logger

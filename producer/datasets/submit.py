@@ -25,7 +25,7 @@ from producer.datasets.records import (
     normalize_location,
     unknown_fields_message,
 )
-from producer.datasets.worker import enqueue_step, step_alive
+from producer.datasets.rq_plumbing import enqueue_step, step_alive
 from shared import keys
 from shared.log import get_logger
 
