@@ -187,3 +187,79 @@ def test_consumer_starting_on_a_bad_pending_update_falls_back(
     log = proc.log_path.read_text()
     assert '"model.fallback"' in log and '"model.selected"' in log
     assert start_choice(w).path is None  # the next consumer starts on its settings
+
+
+def test_an_update_one_replica_cannot_load_leaves_every_replica_on_the_old_weights(
+    settings, start_consumer, tmp_path
+) -> None:
+    """Two replicas of different layouts: a checkpoint with one KV head loads at TP=1 but not
+    at TP=2. The TP=2 replica refuses it, the update fails naming that replica, and the TP=1
+    replica ends on the old weights too (it skips the update, or reverts if it had loaded it
+    first): the queue never serves two models after a failed update."""
+    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
+
+    one_kv = write_random_hf_checkpoint(tmp_path / "one-kv", "qwen2", seed=5, num_kv_heads=1)
+    s = fast(settings)
+    single = start_consumer(s)
+    s2 = s.model_copy(update={"parallel": s.parallel.model_copy(update={"tp": 2})})
+    pair = start_consumer(s2, nproc=2, wait=False)
+    wait_for_consumers(s, count=2, proc=pair)
+    client = TeacherClient(s)
+    tiny = _served_version(client, [1, 2, 3, 4], "two-before")
+    with pytest.raises(WeightUpdateFailed, match="num_key_value_heads=1") as info:
+        client.update_weights(str(one_kv), timeout=120)
+    assert info.value.consumer in client.consumers()
+    deadline = time.monotonic() + 60
+    while {c["model_version"] for c in client.consumers().values()} != {tiny}:
+        assert time.monotonic() < deadline, client.consumers()
+        time.sleep(0.2)
+    versions = {_served_version(client, [1, 2, 3, n], f"two-after-{n}") for n in range(5, 11)}
+    assert versions == {tiny}
+    assert single.poll() is None and pair.poll() is None
+
+
+def test_a_replica_that_applied_an_update_failed_elsewhere_reverts(
+    settings, start_consumer, checkpoints
+) -> None:
+    """A replica loads an update while another live replica (here a heartbeat the test keeps
+    fresh) has not; when that one reports failure, the first goes back to the weights before
+    the update, so the queue never serves two models after a failed update."""
+    import threading
+
+    from shared.weights import current, fail_update, wait_done
+
+    good, _, _ = checkpoints
+    s = fast(settings)
+    proc = start_consumer(s)
+    client = TeacherClient(s)
+    tiny = _served_version(client, [1, 2, 3, 4], "rev-before")
+    stop = threading.Event()
+
+    def phantom() -> None:  # a live consumer that never acknowledges
+        r = TeacherClient(s).r
+        while not stop.is_set():
+            rec = {"time": time.time(), "state": "ready"}
+            r.hset(keys.consumers_key(s.queue.name), "phantom", json.dumps(rec))
+            time.sleep(0.1)
+
+    t = threading.Thread(target=phantom, daemon=True)
+    t.start()
+    try:
+        req = client.update_weights(str(good), wait=False)
+        deadline = time.monotonic() + 60
+        while not _served_version(client, [1, 2, 3, 5], f"rev-{time.monotonic()}").startswith(
+            "teacher-a@"
+        ):
+            assert time.monotonic() < deadline
+        assert current(client.r, s.queue.name).state == "updating"  # phantom has not acked
+        assert fail_update(client.r, s.queue.name, generation=req.generation,
+                           replica="phantom", reason="out of memory")  # fmt: skip
+        with pytest.raises(WeightUpdateFailed, match="phantom.*out of memory"):
+            wait_done(client.r, s.queue.name, req.generation, timeout_s=5)
+        deadline = time.monotonic() + 60
+        while _served_version(client, [1, 2, 3, 6], f"rev-{time.monotonic()}") != tiny:
+            assert time.monotonic() < deadline
+    finally:
+        stop.set()
+        t.join()
+    assert '"weights.revert"' in proc.log_path.read_text()
