@@ -1,11 +1,15 @@
 """Control of one replica: commands from other processes (weight updates) and idle sleep.
 
 `teacherq update-weights` puts a command on the queue's control stream; the leader reads it
-between batches (`check`), drains, has every rank of its group reload (a RELOAD broadcast),
-stamps the new version and acknowledges the update. A replica idle for
-`consumer.sleep_after_idle_s` offloads its weights (SLEEP) and takes them back (WAKE) when
-work arrives. A new control command goes in `check`; one the followers must obey too gets
-its own broadcast word in consumer/batching.py and a branch in consumer/follower.py.
+between batches (`check`), checks the checkpoint, drains, has every rank of its group reload
+(a RELOAD broadcast; the ranks agree on the outcome), stamps the new version and acknowledges
+the update. A checkpoint that fails the check or the load on any rank fails the update
+(reason and consumer recorded, see shared/weights.py) and the replica keeps its weights; a
+replica that loaded an update another replica failed on goes back to the active weights.
+A replica idle for `consumer.sleep_after_idle_s` offloads its weights (SLEEP) and takes them
+back (WAKE) when work arrives. A new control command goes in `check`; one the followers must
+obey too gets its own broadcast word in consumer/batching.py and a branch in
+consumer/follower.py.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 
 from consumer.batching import RELOAD, SLEEP, WAKE, broadcast_header, broadcast_text
 from consumer.heartbeat import Heartbeat
+from consumer.reload import check_weights, load_agreed
 from consumer.replica import LoadedModel
 from consumer.scoring import Scorer
 from consumer.writer import ResultWriter
@@ -59,6 +64,8 @@ class Control:
         self.cursor = cursor
         self.asleep = False
         self._idle_since = time.monotonic()
+        self.updated_to: int | None = None  # generation this replica loaded by an update
+        self._load_error: str | None = None
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -78,42 +85,51 @@ class Control:
         )
 
     def check(self) -> None:
-        """Apply commands other processes put on the control stream (weight updates)."""
+        """Apply commands other processes put on the control stream: a weight update, or the
+        news that one failed elsewhere (a replica that loaded it goes back)."""
         reply = cast(
             StreamReply,
             self.r.xread({keys.control_stream(self.queue): self.cursor}, count=100),
         )
         newest: tuple[str, int] | None = None
+        failed: set[int] = set()
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self.cursor = entry_id.decode()
-                if fields.get(b"cmd") == b"update-weights":
+                cmd = fields.get(b"cmd")
+                if cmd == b"update-weights":
                     gen = int(fields[b"generation"])
                     if gen > self.loaded.generation:
                         newest = (fields[b"path"].decode(), gen)
+                elif cmd == b"weights-failed":
+                    failed.add(int(fields[b"generation"]))
+        if newest and newest[1] in failed:
+            newest = None  # failed on another replica before this one got to it
         if newest:
             self.update_weights(*newest)
+        elif self.loaded.generation in failed and self.updated_to == self.loaded.generation:
+            self.revert()
 
     def update_weights(self, path: str, generation: int) -> None:
-        """Drain, reload every rank from `path`, stamp the new version, acknowledge."""
+        """Check `path` here, then drain, reload every rank, stamp the new version and
+        acknowledge. A checkpoint that fails the check, or fails to load on any rank, fails
+        the update (`weights.fail_update`: reason and consumer recorded) while this replica
+        goes on serving its current weights."""
         if self.reload is None:
             return
-        log.info("weights.update", path=path, generation=generation)
-        self.heartbeat.state = "updating"
-        self.finish_inflight()
-        self.writer.flush()  # results computed with the old weights are stored as such
-        was_asleep = self.asleep
-        self.wake()
+        log.info("weights.update", path=path or "(configured model)", generation=generation)
         layout = self.loaded.scorer.layout
-        broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
-        broadcast_text(path, src=layout.leader_rank, group=self._group)
-        self.loaded.scorer, self.loaded.version = self.reload(path)
-        self.loaded.generation = generation
+        problem = check_weights(path, tp=layout.tp)  # before any rank is told to load it
+        if problem is None and not self._swap(path, generation):
+            problem = self._load_error or "load failed"
+        if problem is not None:
+            weights.fail_update(self.r, self.queue, generation=generation,
+                                replica=self.consumer, reason=problem)  # fmt: skip
+            log.error("weights.update_failed", path=path, generation=generation, error=problem,
+                      serving=self.loaded.version)  # fmt: skip
+            return
+        self.updated_to = generation
         self.publish_model()
-        if was_asleep:
-            self.sleep()
-        self.heartbeat.state = "sleeping" if self.asleep else "ready"
-        self.heartbeat.beat()
         live = weights.live_replicas(self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s)
         done = weights.ack_update(
             self.r, self.queue, replica=self.consumer, generation=generation, live_replicas=live
@@ -124,6 +140,45 @@ class Control:
             generation=generation,
             completed_update=done,
         )
+
+    def revert(self) -> None:
+        """The update this replica applied failed on another one: go back to the queue's
+        active weights (those before it, or the configured model)."""
+        served = weights.current(self.r, self.queue)
+        path = served.active_path or ""
+        log.warning("weights.revert", failed_generation=self.loaded.generation,
+                    path=path or "(configured model)")  # fmt: skip
+        if self._swap(path, served.active_generation):
+            self.updated_to = None
+            self.publish_model()
+        else:
+            log.error("weights.revert_failed", error=self._load_error,
+                      serving=self.loaded.version)  # fmt: skip
+
+    def _swap(self, path: str, generation: int) -> bool:
+        """Drain, have every rank load `path` ("" = the configured model) and agree; True if
+        the replica now serves it as `generation`, False (reason in `_load_error`) if it kept
+        its weights."""
+        assert self.reload is not None
+        self.heartbeat.state = "updating"
+        self.finish_inflight()
+        self.writer.flush()  # results computed with the old weights are stored as such
+        was_asleep = self.asleep
+        self.wake()
+        layout = self.loaded.scorer.layout
+        broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
+        broadcast_text(path, src=layout.leader_rank, group=self._group)
+        loaded, self._load_error = load_agreed(
+            self.reload, path, group=self._group, device=self.loaded.scorer.device
+        )
+        if loaded is not None:
+            self.loaded.scorer, self.loaded.version = loaded
+            self.loaded.generation = generation  # before the beat below reports it
+        if was_asleep:
+            self.sleep()
+        self.heartbeat.state = "sleeping" if self.asleep else "ready"
+        self.heartbeat.beat()
+        return loaded is not None
 
     def worked(self) -> None:
         """The replica just processed work: the idle clock starts again."""

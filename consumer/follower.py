@@ -18,6 +18,7 @@ from consumer.batching import (
     receive_batch,
 )
 from consumer.faults import FaultInjector
+from consumer.reload import load_agreed
 from consumer.scoring import Scorer
 
 log = structlog.get_logger("teacherq.consumer")
@@ -46,7 +47,11 @@ def follow(
         elif word == RELOAD:
             path = broadcast_text("", src=src, group=group)
             if reload is not None:
-                scorer, _ = reload(path)
+                # Every rank loads and all agree (as the leader does in consumer/control.py): a
+                # failure anywhere leaves every rank on its current weights.
+                loaded, _ = load_agreed(reload, path, group=group, device=scorer.device)
+                if loaded is not None:
+                    scorer = loaded[0]
         elif word == SLEEP:
             scorer.offload()
         elif word == WAKE:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
+import redis
 import structlog
 import torch
 
@@ -13,8 +17,11 @@ from consumer.graphs import GraphedForward
 from consumer.leader import Leader
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
+from consumer.reload import load_agreed
 from consumer.scoring import Scorer
 from consumer.stop import StopFlag
+from shared import weights
+from shared.errors import InvalidCheckpoint
 from shared.messages import Job, TeacherRequest
 from shared.settings import Settings
 
@@ -95,6 +102,62 @@ def warmup(scorer: Scorer) -> None:
     )
 
 
+def start_model(
+    settings: Settings,
+    layout: ParallelLayout,
+    client: redis.Redis | None,
+    choice: weights.StartChoice | None,
+) -> tuple[Scorer, str, int]:
+    """Load the weights this replica starts on (`weights.start_choice`, made by the leader and
+    broadcast): the queue's updated weights if any, else the configured model. If the queue's
+    weights cannot be loaded, the running update is recorded as failed and the replica starts
+    on the weights before it (or its configured model) instead of dying; returns scorer,
+    version and the generation served. Only the configured model failing is fatal."""
+    group, device = layout.tp_group, pick_device(settings.consumer.device)
+    queue = settings.queue.name
+    path = broadcast_text(
+        (choice.path or "") if choice else "", src=layout.leader_rank, group=group
+    )
+
+    def load(p: str) -> tuple[Scorer, str]:
+        return build_scorer(settings, layout, p or None)
+
+    loaded, reason = load_agreed(load, path, group=group, device=device)
+    if loaded is not None:
+        if choice is not None:
+            log.info("model.selected", path=path or settings.model.path or "(tiny preset)",
+                     source=choice.source, generation=choice.generation,
+                     model_version=loaded[1])  # fmt: skip
+            return loaded[0], loaded[1], choice.generation
+        return loaded[0], loaded[1], 0
+    if not path:  # the configured model itself: a configuration error
+        raise CheckpointLoadError(f"TEACHERQ_MODEL__PATH={settings.model.path!r}: {reason}")
+    fallback = ""
+    generation = 0
+    if choice is not None and client is not None:
+        served = weights.current(client, queue)
+        if choice.trying_update:
+            weights.fail_update(client, queue, generation=choice.generation,
+                                replica=f"{socket.gethostname()}-{os.getpid()} (starting)",
+                                reason=reason or "load failed")  # fmt: skip
+            fallback = served.active_path or ""
+            generation = served.active_generation
+        log.warning("model.fallback", path=path, error=reason,
+                    using=fallback or settings.model.path or "(tiny preset)")  # fmt: skip
+    fallback = broadcast_text(fallback, src=layout.leader_rank, group=group)
+    if fallback == path:
+        fallback = ""
+    scorer, version = build_scorer(settings, layout, fallback or None)
+    log.info("model.selected", path=fallback or settings.model.path or "(tiny preset)",
+             source="update-weights" if fallback else "settings", generation=generation,
+             model_version=version, note=f"queue weights {path!r} failed to load")  # fmt: skip
+    return scorer, version, generation
+
+
+class CheckpointLoadError(InvalidCheckpoint):
+    """The configured model (TEACHERQ_MODEL__PATH) cannot be loaded: a configuration error."""
+
+
 def run(settings: Settings) -> int:
     """Serve the queue until stopped; returns the process exit code."""
     cpu_compat.apply()
@@ -111,19 +174,15 @@ def run(settings: Settings) -> int:
         rank=layout.rank,
     )
     try:
-        client, served = None, None
+        client = None
+        choice: weights.StartChoice | None = None
         if layout.is_leader:
-            from shared import weights
             from shared.redis_server import connect
 
             client = connect(settings.redis)
             control_cursor = last_control_id(client, settings.queue.name)
-            served = weights.current(client, settings.queue.name)
-        # The queue may have moved to other weights (update-weights): every rank loads those.
-        path = broadcast_text(
-            (served.path or "") if served else "", src=layout.leader_rank, group=layout.tp_group
-        )
-        scorer, version = build_scorer(settings, layout, path or None)
+            choice = weights.start_choice(weights.current(client, settings.queue.name))
+        scorer, version, generation = start_model(settings, layout, client, choice)
         warmup(scorer)
 
         def reload(new_path: str) -> tuple[Scorer, str]:
@@ -144,7 +203,7 @@ def run(settings: Settings) -> int:
             access_key_id=st.access_key_id,
             secret_access_key=st.secret_access_key,
         )
-        assert client is not None and served is not None
+        assert client is not None and choice is not None
         leader = Leader(
             settings=settings,
             scorer=scorer,
@@ -154,9 +213,13 @@ def run(settings: Settings) -> int:
             stop=stop,
             faults=faults,
             reload=reload,
-            generation=served.generation,
+            generation=generation,
             control_cursor=control_cursor,
         )
+        if choice.trying_update and generation == choice.generation:
+            # This replica started on the running update's weights: count it as applied.
+            weights.ack_update(client, settings.queue.name, replica=leader.name,
+                               generation=generation, live_replicas=[leader.name])  # fmt: skip
         from shared.trace_store import install_sink
 
         sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")

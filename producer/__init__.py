@@ -6,14 +6,26 @@ This package never imports torch or megatron (except `producer.optim`, imported 
 """
 
 from producer.client import TeacherClient
-from shared.errors import InvalidJob, JobFailed, QueueFull
+from shared.errors import (
+    InvalidCheckpoint,
+    InvalidJob,
+    JobFailed,
+    QueueFull,
+    TeacherqError,
+    UnknownJob,
+    WeightUpdateFailed,
+)
 from shared.messages import TeacherRequest, TeacherResult
 
 __all__ = [
+    "InvalidCheckpoint",
     "InvalidJob",
     "JobFailed",
     "QueueFull",
     "TeacherClient",
     "TeacherRequest",
     "TeacherResult",
+    "TeacherqError",
+    "UnknownJob",
+    "WeightUpdateFailed",
 ]

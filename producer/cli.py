@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -13,25 +14,31 @@ from rich.console import Console
 from rich.table import Table
 
 from producer import cli_datasets, cli_observe
-from shared.settings import Settings, SettingsError, load_settings
+from shared import exitcodes
+from shared.settings import Settings, load_settings
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help=__doc__ + "\n\nExit codes (every verb): " + exitcodes.SUMMARY,
+    pretty_exceptions_enable=False,
+)
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
 def _settings() -> Settings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    """The settings; a bad one raises SettingsError, which `main` reports (exit 78)."""
+    return load_settings()
 
 
 def _setup_logging(settings: Settings) -> None:
+    """Logging of a one-shot verb: stderr, at `log.level` when it is set (environment or
+    config file), else warning: a verb's output is its answer, not one log line per job."""
     from shared.log import configure_logging
 
-    configure_logging(level=settings.log.level, fmt=settings.log.format)
+    level = settings.log.level if "level" in settings.log.model_fields_set else "warning"
+    configure_logging(level=level, fmt=settings.log.format)
 
 
 def _client(settings: Settings):
@@ -74,39 +81,46 @@ def demo(jobs: int = typer.Option(40, help="Number of random jobs to submit.")) 
 
 @app.command()
 def submit(
-    file: Annotated[Path, typer.Argument(help="JSONL file, one TeacherRequest per line.")],
+    file: Annotated[
+        str, typer.Argument(help="JSONL file, one TeacherRequest per line; - for stdin.")
+    ],
     wait: bool = typer.Option(False, "--wait", help="Wait for the results."),
     timeout: float = typer.Option(None, help="With --wait: give up after this many seconds."),
 ) -> None:
     """Enqueue requests from a JSONL file; prints one job id per line."""
+    from shared.errors import InvalidJob
+    from shared.messages import check_limits, parse_request
+
     settings = _settings()
     _setup_logging(settings)
+    name = "<stdin>" if file == "-" else file
+    client = _client(settings)
+    limits = client.limits()
     requests = []
-    with file.open() as fh:
+    with contextlib.ExitStack() as stack:
+        fh = sys.stdin if file == "-" else stack.enter_context(open(file, encoding="utf-8"))
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                requests.append(json.loads(line))
+                req = parse_request(json.loads(line))
+                check_limits(req, limits)
             except json.JSONDecodeError as exc:
-                err.print(f"[red]{file}:{n}: not valid JSON: {exc}[/red]")
-                raise typer.Exit(2) from None
-    from shared.errors import InvalidJob
-
-    client = _client(settings)
-    try:
-        ids = client.submit(requests)
-    except InvalidJob as exc:
-        err.print(f"[red]invalid request: {exc}[/red]")
-        raise typer.Exit(2) from None
+                raise InvalidJob(
+                    f"{name}:{n}: not valid JSON: {exc.msg} (column {exc.colno})"
+                ) from None
+            except InvalidJob as exc:
+                raise InvalidJob(f"{name}:{n}: {exc}") from None
+            requests.append(req)
+    ids = client.submit(requests)
     for job_id in ids:
         typer.echo(job_id)
     if wait:
-        results = client.wait(ids, timeout=timeout)
+        results = client.wait(ids, timeout=timeout, progress=sys.stderr.isatty())
         failed = [r for r in results if not r.ok]
         err.print(f"{len(results) - len(failed)} done, {len(failed)} failed")
         if failed:
-            raise typer.Exit(1)
+            raise typer.Exit(exitcodes.FAILED)
 
 
 @app.command()
@@ -116,12 +130,17 @@ def results(
     wait: bool = typer.Option(False, "--wait", help="Block until the jobs finish."),
     timeout: float = typer.Option(None, help="With --wait: give up after this many seconds."),
 ) -> None:
-    """Print the results of jobs (not-finished jobs are reported as pending)."""
+    """Print the results of jobs (not-finished jobs are reported as pending). Exit 1 if a job
+    failed, 3 if one is still pending, 2 for an unknown job id."""
     settings = _settings()
     _setup_logging(settings)
     client = _client(settings)
-    found = client.wait(job_ids, timeout=timeout) if wait else client.results(job_ids)
-    missing = 0
+    found: list = (
+        client.wait(job_ids, timeout=timeout, progress=sys.stderr.isatty())
+        if wait
+        else client.results(job_ids)
+    )
+    missing = failed = 0
     for job_id, res in zip(job_ids, found, strict=True):
         if res is None:
             missing += 1
@@ -130,6 +149,7 @@ def results(
             else:
                 out.print(f"[yellow]{job_id}: pending[/yellow]")
             continue
+        failed += not res.ok
         if as_json or not _tty():
             typer.echo(json.dumps(res.to_json()))
             continue
@@ -143,15 +163,21 @@ def results(
                 name, f"{list(arr.shape)} {arr.dtype}: [{preview}{', ...' if arr.size > 6 else ''}]"
             )
         out.print(table)
+    if failed:
+        err.print(f"{failed} of {len(job_ids)} jobs failed")
+        raise typer.Exit(exitcodes.FAILED)
     if missing:
-        raise typer.Exit(3)
+        raise typer.Exit(exitcodes.NOT_DONE)
 
 
 @app.command()
 def cancel(job_ids: Annotated[list[str], typer.Argument(help="Job ids to cancel.")]) -> None:
-    """Cancel jobs: not computed if not started; a result they already have is dropped."""
+    """Cancel jobs: not computed if not started; a result they already have is dropped. An
+    unknown job id is an error (exit 2) and cancels nothing."""
     settings = _settings()
+    _setup_logging(settings)
     client = _client(settings)
+    client.check_known(job_ids)  # raises UnknownJob before anything is cancelled
     for job_id in job_ids:
         client.cancel(job_id)
         typer.echo(f"cancelled {job_id}")
@@ -203,22 +229,43 @@ def replay(
 
 @app.command("update-weights")
 def update_weights(
-    path: Annotated[str, typer.Argument(help="Checkpoint directory every replica can read.")],
+    path: Annotated[
+        str | None, typer.Argument(help="Checkpoint directory every replica can read.")
+    ] = None,
+    reset: bool = typer.Option(
+        False, "--reset", help="Return every consumer to its configured model instead."
+    ),
+    check: bool = typer.Option(
+        True, help="Check PATH here first (--no-check: a path only the consumers can see)."
+    ),
     wait: bool = typer.Option(True, help="Wait until every live replica serves it."),
     timeout: float = typer.Option(1800.0, help="With --wait: give up after this many seconds."),
 ) -> None:
-    """Make every consumer of the queue drain in-flight work and reload from PATH."""
-    from shared.weights import UpdateInProgress
+    """Make every consumer of the queue drain in-flight work and reload from PATH.
 
+    PATH is checked first (exists, config.json parses, a served family); a consumer that cannot
+    load it keeps its weights and the update fails (exit 1, reason and consumer named)."""
+    if reset == (path is not None):
+        raise typer.BadParameter("give a checkpoint PATH or --reset (not both)")
     settings = _settings()
-    try:
-        req = _client(settings).update_weights(path, wait=wait, timeout=timeout)
-    except UpdateInProgress as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(3) from None
+    _setup_logging(settings)
+    if path is not None and check:
+        from shared.checkpoint_probe import probe_checkpoint
+
+        probe_checkpoint(path)  # before connecting: a typo starts nothing
+    client = _client(settings)
+    if reset:
+        req = client.reset_weights(wait=wait, timeout=timeout)
+    else:
+        assert path is not None
+        req = client.update_weights(path, wait=wait, timeout=timeout, check=False)  # done above
+    target = "configured models" if reset else path
     how = "joined the running update" if req.coalesced else "started"
-    state = "served by every live replica" if wait else "requested"
-    typer.echo(f"generation {req.generation}: {how}, {state} (request {req.request_id})")
+    if req.no_consumer:
+        state = "no live consumer: the next one to start loads it"
+    else:
+        state = "served by every live consumer" if wait else "requested"
+    typer.echo(f"generation {req.generation} ({target}): {how}, {state} (request {req.request_id})")
 
 
 @app.command()
@@ -233,21 +280,31 @@ def consumer() -> None:
 def redis_cmd(
     action: Annotated[str, typer.Argument(help="start | stop | url")] = "start",
 ) -> None:
-    """Manage the embedded valkey-server under ./.teacherq/ (start prints its URL)."""
-    from shared.redis_server import ensure_embedded, stop_embedded
+    """Manage the embedded valkey-server (one per project or per user; see
+    TEACHERQ_REDIS__HOME). `start` starts it if needed and prints its URL; `url` prints the
+    running server's URL without starting anything (exit 69 when none runs); `stop` stops it."""
+    from shared.redis_server import ensure_embedded, running_url, stop_embedded
 
     settings = _settings()
     home = Path(settings.redis.home)
-    if action in ("start", "url"):
+    if settings.redis.url:
+        err.print(f"note: TEACHERQ_REDIS__URL={settings.redis.url} is set; commands use it, "
+                  "not the embedded server")  # fmt: skip
+    if action == "url":
+        url = running_url(home)
+        if url is None:
+            err.print(f"no embedded server runs in {home} (`teacherq redis start` starts one)")
+            raise typer.Exit(exitcodes.UNAVAILABLE)
+        typer.echo(url)
+    elif action == "start":
         url, started = ensure_embedded(home)
         typer.echo(url)
-        if started:
-            err.print(f"started embedded valkey-server in {home.resolve()} (AOF on)")
+        err.print(f"{'started' if started else 'already running:'} embedded valkey-server "
+                  f"in {home} (AOF on)")  # fmt: skip
     elif action == "stop":
         typer.echo("stopped" if stop_embedded(home) else "not running")
     else:
-        err.print(f"[red]unknown action {action!r}; expected start, stop or url[/red]")
-        raise typer.Exit(2)
+        raise typer.BadParameter(f"unknown action {action!r}; expected start, stop or url")
 
 
 from producer.cli_observe import register as _register_observe  # noqa: E402 - after app exists
@@ -259,10 +316,22 @@ cli_datasets.register(app)
 cli_observe.register(app)
 
 
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
+) -> None:
+    """teacherq: an offline teacher pipeline (Redis streams -> Megatron-core consumers)."""
+    # --debug is read by producer.cli_errors.run_app before the verb runs; declared here for
+    # the help text.
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: errors become one- or two-line messages and the exit
+    codes of `shared.exitcodes` (producer.cli_errors)."""
+    from producer.cli_errors import run_app
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    app()
+    sys.exit(run_app(app, sys.argv[1:]))
 
 
 if __name__ == "__main__":

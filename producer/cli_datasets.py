@@ -12,18 +12,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from shared.settings import Settings, SettingsError, load_settings
+from shared import exitcodes
+from shared.settings import Settings, load_settings
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
 def _settings(queue: str | None = None) -> Settings:
-    try:
-        settings = load_settings()
-    except SettingsError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    settings = load_settings()  # a SettingsError is reported by producer.cli_errors (exit 78)
     if queue:
         from producer.datasets import with_queue
 
@@ -60,6 +57,9 @@ def submit_dataset_cmd(
     ),
     batch_rows: int = typer.Option(256, help="Rows submitted (and recorded) per batch."),
     shard_rows: int = typer.Option(10_000, help="Rows per exported Parquet shard."),
+    keep_field: list[str] = typer.Option(
+        None, "--keep-field", help="A field/column rows may carry besides the request's."
+    ),
     wait: bool = typer.Option(False, "--wait", help="Block until the dataset is done."),
     timeout: float = typer.Option(None, help="With --wait: give up after this many seconds."),
 ) -> None:
@@ -87,6 +87,7 @@ def submit_dataset_cmd(
             max_pending_tokens=max_pending_tokens,
             batch_rows=batch_rows,
             shard_rows=shard_rows,
+            keep_fields=tuple(keep_field or ()),
         )
     except (DatasetError, ValueError) as exc:
         err.print(f"[red]{exc}[/red]")
@@ -105,10 +106,10 @@ def _wait_done(client: Any, dataset_id: str, timeout: float | None) -> int:
         rec = load_record(client.r, client.queue, dataset_id)
         if rec is not None and rec.state in ("done", "failed"):
             err.print(f"{dataset_id}: {rec.state}" + (f": {rec.error}" if rec.error else ""))
-            return 0 if rec.state == "done" else 1
+            return exitcodes.OK if rec.state == "done" else exitcodes.FAILED
         if deadline is not None and time.monotonic() > deadline:
             err.print(f"[red]{dataset_id}: still {rec.state if rec else '?'}[/red]")
-            return 3
+            return exitcodes.NOT_DONE
         # A state change has no stream to block on; a CLI polling its one record is cheap.
         time.sleep(0.5)
 

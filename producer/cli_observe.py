@@ -15,12 +15,13 @@ import typer
 from rich.console import Console
 
 from producer.dead_letter_replay import parse_since
-from shared.settings import Settings, SettingsError, load_settings
+from shared import exitcodes
+from shared.settings import Settings, load_settings
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
-EXIT_NOT_FOUND = 3  # like `teacherq results` for unfinished jobs
+EXIT_NOT_FOUND = exitcodes.NOT_DONE  # like `teacherq results` for unfinished jobs
 
 
 def parse_time(text: str, *, now: float | None = None) -> float:
@@ -33,11 +34,7 @@ def parse_time(text: str, *, now: float | None = None) -> float:
 
 
 def _settings() -> Settings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    return load_settings()  # a SettingsError is reported by producer.cli_errors (exit 78)
 
 
 def _redis(settings: Settings):

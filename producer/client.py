@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import redis
-import structlog
 
 from producer.progress import WaitProgress, track_wait
 from shared import keys, weights
-from shared.errors import InvalidJob, QueueFull
+from shared.checkpoint_probe import probe_checkpoint
+from shared.errors import InvalidJob, JobFailed, QueueFull, UnknownJob
+from shared.log import get_logger
 from shared.messages import (
     Limits,
     TeacherRequest,
@@ -30,7 +32,7 @@ from shared.streams import Entry, Fields, StreamReply, Streams
 from shared.tracing import end_span, start_span
 from shared.weights import UpdateRequest
 
-log = structlog.get_logger("teacherq.client")
+log = get_logger("teacherq.client")
 
 
 # Jobs enqueued per transaction: one submit call of up to this many jobs reaches the stream
@@ -156,29 +158,47 @@ class TeacherClient:
             for _stream, entries in cast(StreamReply, reply) or []:
                 cursor = entries[-1][0]
 
-    def results(self, job_ids: Sequence[str]) -> list[TeacherResult | None]:
-        """Results of finished jobs, None for jobs not finished yet (no waiting)."""
+    def results(self, job_ids: Sequence[str], *, strict: bool = True) -> list[TeacherResult | None]:
+        """Results of finished jobs, None for jobs submitted and not finished yet (no waiting).
+        Raises `UnknownJob` naming every id this queue has never seen; `strict=False` returns
+        None for those too."""
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(keys.result_key(self.queue, job_id))
-        out: list[TeacherResult | None] = []
-        for fields in pipe.execute():
-            out.append(decode_record(fields, store=self.store) if fields else None)
-        return out
+        records = pipe.execute()
+        if strict:
+            self.check_known([j for j, rec in zip(job_ids, records, strict=True) if not rec])
+        return [decode_record(rec, store=self.store) if rec else None for rec in records]
+
+    def check_known(self, job_ids: Sequence[str]) -> None:
+        """Raise `UnknownJob` naming the ids never submitted to this queue (no result record,
+        no submit marker): a typo must not wait forever or create anything."""
+        if not job_ids:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(keys.submitted_key(self.queue, job_id), keys.result_key(self.queue, job_id))
+        unknown = [j for j, n in zip(job_ids, pipe.execute(), strict=True) if not n]
+        if unknown:
+            raise UnknownJob(unknown, self.queue)
 
     def wait(
         self,
         job_ids: Sequence[str],
         *,
         timeout: float | None = None,
-        progress: bool | WaitProgress | None = None,
+        progress: bool | WaitProgress = False,
+        raise_on_error: bool = False,
     ) -> list[TeacherResult]:
         """Block until every job has a result (success or failure) and return them in order.
 
         Blocks on the completion stream (XREAD BLOCK), never sleep-polls. Failed and cancelled
-        jobs come back with `error` set. Raises TimeoutError if `timeout` seconds pass first.
-        `progress` shows a bar (jobs, tokens, rate, ETA) on stderr: None means when stderr is
-        a terminal; pass a `producer.progress.WaitProgress` to give totals or a console.
+        jobs come back with `error` set, or, with `raise_on_error`, raise `JobFailed` as soon
+        as one is seen. Raises TimeoutError if `timeout` seconds pass first; without a timeout,
+        ids never submitted to this queue raise `UnknownJob` at once instead of waiting forever.
+        `progress=True` shows a bar (jobs, tokens, rate, ETA) on stderr; pass a
+        `producer.progress.WaitProgress` to give totals or a console. The library never draws
+        one unasked.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         # Note where the completion stream ends *before* reading results: a job finishing in
@@ -187,10 +207,15 @@ class TeacherClient:
         found: dict[str, TeacherResult] = {}
         pending = set(job_ids)
         check = list(pending)
+        first = True
         with track_wait(job_ids, progress) as tracker:
             while True:
-                for job_id, res in zip(check, self.results(check), strict=True):
+                got = self.results(check, strict=first and timeout is None)
+                first = False
+                for job_id, res in zip(check, got, strict=True):
                     if res is not None:
+                        if raise_on_error and not res.ok:
+                            raise JobFailed(job_id, res.error or "failed")
                         found[job_id] = res
                         pending.discard(job_id)
                         tracker.advance(job_id, res)
@@ -234,7 +259,9 @@ class TeacherClient:
 
     def cancel(self, job_id: str) -> None:
         """Cancel a job: it is not computed if not started yet, and a result it already has
-        is replaced by a `cancelled` failure. Waiters get that failure."""
+        is replaced by a `cancelled` failure. Waiters get that failure. Raises `UnknownJob`
+        (and changes nothing) for an id never submitted to this queue."""
+        self.check_known([job_id])
         record = encode_record(
             TeacherResult(job_id=job_id, error="cancelled by the user"),
             queue=self.queue,
@@ -255,13 +282,37 @@ class TeacherClient:
         pipe.execute()
 
     def update_weights(
-        self, path: str, *, wait: bool = True, timeout: float = 1800.0
+        self, path: str, *, wait: bool = True, timeout: float = 1800.0, check: bool = True
     ) -> UpdateRequest:
         """Make every replica of this queue drain and reload from `path` (a Hugging Face or
-        Megatron checkpoint directory they can read). A concurrent request for the same path
-        joins the running update; one for another path raises UpdateInProgress. With `wait`,
-        blocks until every live replica serves the new generation."""
-        req = weights.request_update(self.r, self.queue, path)
+        Megatron checkpoint directory they can read).
+
+        With `check`, the path is first looked at here (exists, parses, a served family:
+        `shared.checkpoint_probe`) and refused with `InvalidCheckpoint` before anything is
+        committed; pass `check=False` for a path only the consumers can see. A concurrent
+        request for the same path joins the running update; one for another path raises
+        UpdateInProgress. With `wait`, blocks until every live replica serves the new
+        generation, raising `WeightUpdateFailed` as soon as one reports it cannot load it
+        (every consumer then keeps its previous weights). With no live consumer there is
+        nothing to wait for: the next consumer to start applies the update."""
+        if check:
+            probe_checkpoint(path)
+        return self._request_weights(path, wait=wait, timeout=timeout)
+
+    def reset_weights(self, *, wait: bool = True, timeout: float = 1800.0) -> UpdateRequest:
+        """Return every replica to its own configured model (`model.path`, or the tiny preset),
+        undoing earlier `update_weights`; waits like `update_weights`."""
+        return self._request_weights(weights.CONFIGURED, wait=wait, timeout=timeout)
+
+    def _request_weights(self, path: str, *, wait: bool, timeout: float) -> UpdateRequest:
+        fresh_s = 3 * self.settings.consumer.heartbeat_interval_s
+        # An update whose consumers all died mid-way has nobody left to finish it: replace it.
+        orphaned = not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s)
+        req = weights.request_update(self.r, self.queue, path, take_over=orphaned)
+        log.debug("weights.requested", path=path or "(configured)", generation=req.generation,
+                 coalesced=req.coalesced)  # fmt: skip
+        if orphaned and not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s):
+            return dataclasses.replace(req, no_consumer=True)
         if wait:
             weights.wait_done(self.r, self.queue, req.generation, timeout_s=timeout)
         return req

@@ -23,7 +23,7 @@ import redis
 from rich.console import Group
 from rich.table import Table
 
-from shared import keys
+from shared import keys, weights
 from shared.keys import throughput_stream
 
 SAMPLE_ENTRIES = 10  # in-flight entries listed per consumer
@@ -159,6 +159,9 @@ def snapshot(
         "prefix_tokens_saved": sum(
             int(c.get("prefix_tokens_saved") or 0) for c in consumers.values()
         ),
+        # The queue's weight record: the latest update (state, and why and where it failed)
+        # and the weights a starting consumer loads (shared/weights.py).
+        "weights": weights.current(r, queue).to_json(),
     }
 
 
@@ -189,6 +192,14 @@ def render(snap: dict[str, Any]) -> Group:
     q.add_row("jobs/s", _num(t["jobs_per_s"], "{:,.2f}"))
     q.add_row("tokens/s", _num(t["tokens_per_s"], "{:,.0f}"))
     q.add_row("prefix tokens saved", _num(snap.get("prefix_tokens_saved", 0)))
+    w = snap.get("weights") or {}
+    if w.get("generation"):
+        target = w.get("path") or "(configured models)"
+        line = f"generation {w['generation']} {target}: {w.get('state')}"
+        if w.get("state") == "failed":
+            line += f" on {w.get('failed_by')}: {w.get('error')}"
+        q.add_row("weight update", line, style="red" if w.get("state") == "failed" else "")
+        q.add_row("consumers start on", w.get("active_path") or "their configured model")
 
     f = Table(title="in flight", title_justify="left")
     for col in ("consumer", "entries", "last read", "oldest entry idle", "max deliveries"):

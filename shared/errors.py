@@ -12,12 +12,30 @@ class InvalidJob(TeacherqError, ValueError):  # noqa: N818 - the policy name rea
     wrong and what was expected."""
 
 
+class InvalidCheckpoint(TeacherqError, ValueError):  # noqa: N818 - the policy name reads better
+    """A checkpoint cannot be served as it is; the message names the file and the problem."""
+
+
 class TransientError(TeacherqError):
     """A Redis or object-store hiccup: retry with backoff."""
 
 
 class QueueFull(TeacherqError):
     """Submit refused by backpressure: the queue holds too many pending tokens."""
+
+
+class UnknownJob(TeacherqError, KeyError):  # noqa: N818 - reads as the problem it names
+    """A job id this queue has never seen (a typo, or another queue): nothing was changed."""
+
+    def __init__(self, job_ids: list[str], queue: str) -> None:
+        more = f" and {len(job_ids) - 5} more" if len(job_ids) > 5 else ""
+        shown = ", ".join(job_ids[:5]) + more
+        super().__init__(f"unknown job id(s) on queue {queue}: {shown}")
+        self.job_ids = job_ids
+        self.queue = queue
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
 
 
 class JobFailed(TeacherqError):
@@ -27,3 +45,22 @@ class JobFailed(TeacherqError):
         super().__init__(f"job {job_id} failed: {reason}")
         self.job_id = job_id
         self.reason = reason
+
+
+class WeightUpdateFailed(TeacherqError):  # noqa: N818 - reads as the event it reports
+    """A consumer could not load the weights of an update: the update is recorded as failed
+    and every consumer keeps (or returns to) the weights it served before."""
+
+    def __init__(
+        self, *, generation: int, path: str | None, reason: str, consumer: str | None
+    ) -> None:
+        where = f" on consumer {consumer}" if consumer else ""
+        target = repr(path) if path else "the configured model"
+        super().__init__(
+            f"weight update {generation} to {target} failed{where}: {reason}; "
+            "consumers keep their previous weights"
+        )
+        self.generation = generation
+        self.path = path
+        self.reason = reason
+        self.consumer = consumer

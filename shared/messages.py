@@ -66,9 +66,18 @@ class Limits:
 
 
 class TeacherRequest(BaseModel):
-    """One sequence to score. Arrays may be given as lists or numpy arrays."""
+    """One sequence to score. Arrays may be given as lists or numpy arrays.
+
+    A wrong field (an unknown name, a bad value) raises `InvalidJob` naming each problem, as
+    `TeacherClient.submit` does: one exception family whichever way a request is built."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidJob(_validation_message(exc)) from None
 
     input_ids: Any
     """Token ids [L], L >= 2."""
@@ -219,10 +228,10 @@ def parse_request(data: dict[str, Any] | TeacherRequest) -> TeacherRequest:
     """Validate a request from a dict, raising InvalidJob with every problem named."""
     if isinstance(data, TeacherRequest):
         return data
+    if not isinstance(data, dict):
+        raise InvalidJob(f"expected a JSON object of request fields, got {type(data).__name__}")
     try:
         return TeacherRequest(**data)
-    except ValidationError as exc:
-        raise InvalidJob(_validation_message(exc)) from None
     except TypeError as exc:
         raise InvalidJob(str(exc)) from None
 

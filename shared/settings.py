@@ -15,7 +15,31 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-DEFAULT_HOME = Path(".teacherq")
+from shared.errors import TeacherqError
+
+HOME_DIR_NAME = ".teacherq"
+# A directory holding one of these is a project root: its .teacherq/ is the project's home.
+PROJECT_MARKERS = ("pyproject.toml", ".git")
+
+
+def default_home(start: Path | None = None) -> Path:
+    """Where the embedded server and local results live when `redis.home` is not set: one
+    place per project or per user, never per current directory.
+
+    Walking up from `start` (the current directory): the nearest existing `.teacherq/`, else
+    `.teacherq/` beside the nearest `pyproject.toml` or `.git`; outside any project, the
+    per-user `$XDG_STATE_HOME/teacherq` (`~/.local/state/teacherq`). Absolute.
+    """
+    here = (start or Path.cwd()).resolve()
+    chain = [here, *here.parents]
+    for d in chain:
+        if (d / HOME_DIR_NAME).is_dir():
+            return d / HOME_DIR_NAME
+    for d in chain:
+        if any((d / m).exists() for m in PROJECT_MARKERS):
+            return d / HOME_DIR_NAME
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state).resolve() / "teacherq"
 
 
 class _Section(BaseModel):
@@ -27,8 +51,10 @@ class RedisSettings(_Section):
     """Redis/Valkey URL (redis:// or rediss://, password in the URL). Unset: the embedded
     valkey-server under `home`, started on first use and shared by every local process."""
 
-    home: Path = DEFAULT_HOME
-    """Directory of the embedded server (data, AOF, pid file, log)."""
+    home: Path = Field(default_factory=default_home)
+    """Directory of the embedded server (data, AOF, pid file, log). Unset: the project's
+    `.teacherq/` (found by walking up to an existing `.teacherq/`, a `pyproject.toml` or a
+    `.git`), else the per-user `$XDG_STATE_HOME/teacherq` (`~/.local/state/teacherq`)."""
 
     socket_timeout_s: float = 30.0
     """Client socket timeout; blocking reads use shorter BLOCK times than this."""
@@ -94,7 +120,9 @@ class QueueSettings(_Section):
 class ModelSettings(_Section):
     path: str | None = None
     """Teacher checkpoint: a Hugging Face safetensors directory or a Megatron torch_dist
-    checkpoint. Unset: the built-in tiny random-init preset (fixed seed)."""
+    checkpoint. Unset: the built-in tiny random-init preset (fixed seed). After a done
+    `teacherq update-weights` a starting consumer serves the queue's updated weights instead
+    (logged as `model.selected`); `update-weights --reset` returns to this one."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype. auto: bfloat16 on a CUDA device, float32 on the CPU."""
@@ -116,8 +144,9 @@ class ParallelSettings(_Section):
 
 
 class StorageSettings(_Section):
-    url: str = "file://.teacherq/objects"
-    """Object store for bulk results: file://PATH, s3://BUCKET/PREFIX or memory://."""
+    url: str = ""
+    """Object store for bulk results: file://PATH, s3://BUCKET/PREFIX or memory://. Unset:
+    `file://<redis.home>/objects`, beside the embedded server."""
 
     endpoint: str | None = None
     """S3 endpoint URL (MinIO, moto); unset: AWS or the standard AWS_* environment."""
@@ -226,7 +255,10 @@ class ConsumerSettings(_Section):
 
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    """Minimum log level."""
+    """Minimum log level of every teacherq process (logs always go to stderr). Unset: info
+    for the services (consumer, rq worker), warning for one-shot CLI verbs and for a process
+    that did not configure logging, e.g. a trainer using TeacherClient, where the environment
+    variable alone counts."""
 
     format: Literal["auto", "json", "console"] = "auto"
     """auto: pretty on a TTY, JSON lines otherwise."""
@@ -253,6 +285,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"parallel.pp={self.parallel.pp}: pipeline parallelism is not supported; use pp=1"
             )
+        if not self.storage.url:
+            # A value derived from another section: set once here, while the tree is built
+            # (frozen models have no other way in).
+            derived = self.storage.model_copy(update={"url": f"file://{self.redis.home}/objects"})
+            object.__setattr__(self, "storage", derived)
         return self
 
     @classmethod
@@ -284,9 +321,22 @@ class _FileSource(PydanticBaseSettingsSource):
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f":{mark.line + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise SettingsError(
+                    f"TEACHERQ_CONFIG={path}{where}: not valid YAML ({problem})"
+                ) from None
         else:
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise SettingsError(
+                    f"TEACHERQ_CONFIG={path}:{exc.lineno}: not valid JSON ({exc.msg})"
+                ) from None
         if not isinstance(data, dict):
             raise SettingsError(
                 f"{path}: expected a mapping of sections, got {type(data).__name__}"
@@ -294,7 +344,7 @@ class _FileSource(PydanticBaseSettingsSource):
         return data
 
 
-class SettingsError(ValueError):
+class SettingsError(TeacherqError, ValueError):
     """Settings could not be built; the message names each bad field and what is allowed."""
 
 
@@ -306,12 +356,20 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
+        config = os.environ.get("TEACHERQ_CONFIG")
         lines = []
         for err in exc.errors():
             loc = "__".join(str(p) for p in err["loc"]).upper()
-            where = f"TEACHERQ_{loc}" if loc else "settings"
-            lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-        raise SettingsError("invalid teacherq settings:\n  " + "\n  ".join(lines)) from None
+            env = f"TEACHERQ_{loc}"
+            if not loc:
+                where = "settings"
+            elif env in os.environ or not config:
+                where = env
+            else:  # the value can only have come from the file
+                where = f"{config}: {'.'.join(str(p) for p in err['loc'])} (or {env})"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+        raise SettingsError("invalid teacherq settings: " + "; ".join(lines)) from None
 
 
 def to_env(settings: Settings) -> dict[str, str]:
@@ -335,7 +393,10 @@ def settings_reference() -> str:
         for name, field in model.model_fields.items():
             env = f"TEACHERQ_{section}__{name}".upper()
             default = field.default
-            shown = "unset" if default is None else f"`{default}`"
+            if field.default_factory is not None or default == "":
+                shown = "unset"
+            else:
+                shown = "unset" if default is None else f"`{default}`"
             doc = " ".join((field.description or "").split())
             rows.append(f"| `{env}` | {shown} | {doc} |")
     return "\n".join(rows)

@@ -30,7 +30,6 @@ from collections import deque
 from collections.abc import Iterable
 
 import redis
-import structlog
 
 from shared.keys import (
     TRACE_MAX_SPANS,
@@ -40,9 +39,10 @@ from shared.keys import (
     trace_jobs_key,
     trace_key,
 )
+from shared.log import get_logger
 from shared.tracing import SpanRecord, configure_sink
 
-log = structlog.get_logger("teacherq.spans")
+log = get_logger("teacherq.spans")
 
 # -- the sink ------------------------------------------------------------------------------
 

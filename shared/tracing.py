@@ -39,8 +39,10 @@ from typing import Any, TypeVar
 
 import structlog
 
+from shared.log import get_logger
+
 F = TypeVar("F", bound=Callable[..., Any])
-_log = structlog.get_logger("teacherq.trace")
+_log = get_logger("teacherq.trace")
 
 # A record as handed to the sink: trace_id, span_id, parent_span_id (None for a root), name,
 # start_time (unix seconds), duration_ms, attrs (dict), pid, host, and when known rank,

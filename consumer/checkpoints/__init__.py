@@ -28,6 +28,7 @@ _EXPORTS = {
     "spec_from_megatron_args": "megatron_dist",
     "load_teacher": "teacher",
     "checkpoint_kind": "teacher",
+    "check_teacher": "teacher",
     "model_version": "teacher",
     "CheckpointError": "validate",
     "check_parallel": "validate",

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from shared.errors import InvalidCheckpoint
+
 if TYPE_CHECKING:  # consumer.model imports megatron-core; the error type should not need it
     from consumer.model import ModelSpec
 
@@ -18,7 +20,7 @@ if TYPE_CHECKING:  # consumer.model imports megatron-core; the error type should
 MAX_LISTED_PROBLEMS = 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InvalidCheckpoint):
     """A checkpoint cannot be served as it is; the message names every problem found."""
 
 

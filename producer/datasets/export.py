@@ -13,7 +13,6 @@ from typing import Any, Literal, cast
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import structlog
 
 from producer.client import TeacherClient
 from producer.datasets.io import object_store
@@ -22,10 +21,11 @@ from producer.datasets.records import DatasetRecord, row_job_id
 from producer.datasets.rq_plumbing import continue_step
 from producer.datasets.track import RESULTS_CHUNK, SWEEP_INTERVAL_S, Tracker
 from shared import keys
+from shared.log import get_logger
 from shared.messages import TeacherResult
 from shared.storage import StorageError
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 _FLOAT = pa.float32()
 _INT = pa.int64()
@@ -261,12 +261,12 @@ def _read_results(client: TeacherClient, job_ids: list[str]) -> list[TeacherResu
     """Results by job id; a result whose bulk object cannot be read comes back as the reason,
     so one damaged object fails its row, not the export."""
     try:
-        return list(client.results(job_ids))
+        return list(client.results(job_ids, strict=False))
     except StorageError:
         out: list[TeacherResult | None | str] = []
         for job_id in job_ids:
             try:
-                out.append(client.results([job_id])[0])
+                out.append(client.results([job_id], strict=False)[0])
             except StorageError as exc:
                 out.append(f"result unreadable: {exc}")
         return out

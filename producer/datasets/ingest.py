@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import structlog
 
 from producer.client import TeacherClient
 from producer.datasets.io import RawRow, iter_rows, open_input
@@ -21,14 +19,16 @@ from producer.datasets.records import (
     DatasetSpec,
     RequestOptions,
     row_job_id,
+    unknown_fields_message,
 )
 from producer.datasets.rq_plumbing import continue_step, enqueue_step
 from producer.datasets.track import Tracker
 from shared import keys
 from shared.errors import InvalidJob
+from shared.log import get_logger
 from shared.messages import Limits, TeacherRequest, check_limits, parse_request
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 _OPTION_FIELDS = ("sample_n", "top_k", "return_entropy", "temperature", "seed")
 
@@ -76,15 +76,26 @@ class PreparedBatch:
 
 
 def prepare_rows(
-    rows: Sequence[RawRow], *, dataset_id: str, options: RequestOptions, limits: Limits
+    rows: Sequence[RawRow],
+    *,
+    dataset_id: str,
+    options: RequestOptions,
+    limits: Limits,
+    keep_fields: Iterable[str] = (),
 ) -> PreparedBatch:
-    """Validate rows against the request schema and the queue's limits."""
+    """Validate rows against the request schema and the queue's limits. A field outside
+    ROW_FIELDS and `keep_fields` rejects its row, naming the field (as `submit` would)."""
     out = PreparedBatch([], [], set())
+    keep = frozenset(keep_fields)
     for row in rows:
         if row.fields is None:
             out.rejected.append((row.index, row.error or "unreadable row"))
             continue
-        out.ignored_fields.update(k for k in row.fields if k not in ROW_FIELDS)
+        unknown = [k for k in row.fields if k not in ROW_FIELDS and k not in keep]
+        if unknown:
+            out.rejected.append((row.index, unknown_fields_message(unknown)))
+            continue
+        out.ignored_fields.update(k for k in row.fields if k in keep)
         try:
             req = row_request(row.fields, options=options, job_id=row_job_id(dataset_id, row.index))
             check_limits(req, limits)
@@ -192,7 +203,11 @@ def _wait_for_room(
 
 def _submit_batch(client: TeacherClient, spec: DatasetSpec, batch: list[RawRow]) -> PreparedBatch:
     prepared = prepare_rows(
-        batch, dataset_id=spec.dataset_id, options=spec.options, limits=client.limits()
+        batch,
+        dataset_id=spec.dataset_id,
+        options=spec.options,
+        limits=client.limits(),
+        keep_fields=spec.keep_fields,
     )
     try:
         client.submit([req for _, req in prepared.valid])

@@ -3,10 +3,11 @@ holds its state and progress, how dataset and row ids are made, and finding data
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
@@ -36,6 +37,17 @@ ROW_FIELDS = frozenset(
         "metadata",
     }
 )
+
+
+def unknown_fields_message(names: Iterable[str]) -> str:
+    """'unknown field 'topk' (did you mean 'top_k'?)': how every unknown field is named."""
+    parts = []
+    for name in sorted(names):
+        close = difflib.get_close_matches(name, sorted(ROW_FIELDS), n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown field{'s' if len(parts) > 1 else ''} " + ", ".join(parts)
+
+
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -72,6 +84,9 @@ class DatasetSpec(BaseModel):
     shard_rows: int = Field(default=10_000, ge=1)
     slice_s: float = Field(default=120.0, gt=0)
     retry_intervals: tuple[int, ...] = RETRY_INTERVALS_S
+    keep_fields: tuple[str, ...] = ()
+    """Fields/columns besides ROW_FIELDS that rows may carry (ignored, listed in the manifest);
+    any other unknown field rejects the submission (or its row), as `submit` does."""
 
     def identity(self) -> tuple[str, str, str, RequestOptions]:
         """The fields an existing dataset id must agree on."""

@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from typing import Any
 
-import structlog
 from rq import Queue
 from rq.job import Job as RqJob
 from rq.serializers import JSONSerializer
@@ -32,9 +31,10 @@ from shared.deadletter import (
     read_dead_letters,
     replay_job,
 )
+from shared.log import get_logger
 from shared.settings import Settings
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 _COUNTS = {
     REPLAYED: "replayed",

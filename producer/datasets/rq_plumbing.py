@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 import redis
-import structlog
 from rq import Callback, Queue, Retry, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job as RqJob
@@ -18,10 +17,11 @@ from rq.serializers import JSONSerializer
 from producer.client import TeacherClient
 from producer.datasets.records import DatasetRecord, DatasetSpec
 from shared import keys
+from shared.log import get_logger
 from shared.redis_server import connect
 from shared.settings import Settings
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 INGEST_QUEUE = "teacherq-ingest"
 EXPORT_QUEUE = "teacherq-export"

@@ -3,14 +3,15 @@ rq job. Idempotent: the same input and options again resume, re-export or do not
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import structlog
-
 from producer.client import TeacherClient
-from producer.datasets.io import probe_input
+from producer.datasets.io import InputInfo, open_input, probe_input
 from producer.datasets.records import (
     ROW_FIELDS,
     DatasetError,
@@ -22,11 +23,13 @@ from producer.datasets.records import (
     derive_dataset_id,
     load_record,
     normalize_location,
+    unknown_fields_message,
 )
 from producer.datasets.rq_plumbing import enqueue_step, step_alive
 from shared import keys
+from shared.log import get_logger
 
-log = structlog.get_logger("teacherq.datasets")
+log = get_logger("teacherq.datasets")
 
 # KEYS: record, index. ARGV: dataset id, time, record field/values. Creates it only if absent.
 _CREATE = """
@@ -68,6 +71,7 @@ def submit_dataset(
     options = options or RequestOptions()
     location = normalize_location(input)
     info = probe_input(location, client.settings.storage)
+    check_fields(location, info, client, keep_fields=knobs.get("keep_fields", ()))
     ds = (
         check_dataset_id(dataset_id)
         if dataset_id
@@ -89,6 +93,7 @@ def submit_dataset(
     )
     # Parquet columns are known up front (JSONL keys are collected while reading).
     fresh.ignored_fields = [c for c in info.columns or [] if c not in ROW_FIELDS]
+
     # Completions are read from the done stream from this point on (earlier ones by sweeps).
     last = cast(Entries, client.r.xrevrange(client.streams.done, count=1))
     fresh.done_cursor = last[0][0].decode() if last else "0-0"
@@ -101,6 +106,35 @@ def submit_dataset(
     rec = load_record(client.r, client.queue, ds)
     assert rec is not None
     return _resubmit(client, rec, spec)
+
+
+# Lines of a JSONL input read at submit time to catch a misspelled field before anything runs
+# (a later row with an unknown field is rejected on its own, naming the field).
+CHECK_LINES = 1000
+
+
+def check_fields(
+    location: str, info: InputInfo, client: TeacherClient, *, keep_fields: Iterable[str]
+) -> None:
+    """Refuse (DatasetError naming the line and the field) an input whose columns, or whose
+    first CHECK_LINES lines, carry a field that is neither a request field nor kept."""
+    keep = set(keep_fields)
+    hint = " (pass --keep-field NAME for a column to carry along unused)"
+    if info.format == "parquet":
+        unknown = [c for c in info.columns or [] if c not in ROW_FIELDS and c not in keep]
+        if unknown:
+            raise DatasetError(f"{location}: {unknown_fields_message(unknown)}{hint}")
+        return
+    with open_input(location, client.settings.storage) as f:
+        for n, line in enumerate(itertools.islice(f, CHECK_LINES), 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue  # an unreadable row is rejected on its own
+            if isinstance(row, dict):
+                unknown = [k for k in row if k not in ROW_FIELDS and k not in keep]
+                if unknown:
+                    raise DatasetError(f"{location}:{n}: {unknown_fields_message(unknown)}{hint}")
 
 
 def _resubmit(client: TeacherClient, rec: DatasetRecord, spec: DatasetSpec) -> Submitted:

@@ -567,7 +567,7 @@ def test_wait_shows_no_progress_off_a_terminal(settings: Settings, capfd) -> Non
     client = TeacherClient(settings)
     ids = client.submit([TeacherRequest(input_ids=[1, 2, 3])])
     t = _complete_in_thread(settings, 1)
-    client.wait(ids, timeout=60)  # progress=None: auto, and stderr is not a TTY here
+    client.wait(ids, timeout=60)  # the library draws no bar unless asked
     t.join(timeout=10)
     assert capfd.readouterr().err == ""
 

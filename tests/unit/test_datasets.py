@@ -140,12 +140,14 @@ def test_prepare_rows_splits_valid_and_rejected() -> None:
         D.RawRow(1, None, "not valid JSON: x", 2),
         D.RawRow(2, {"input_ids": [1, 5000]}, None, 3),
         D.RawRow(3, {"input_ids": [4, 5], "top_k": 9}, None, 4),
+        D.RawRow(4, {"input_ids": [4, 5], "topk": 2}, None, 5),
     ]
     out = D.prepare_rows(
         rows,
         dataset_id="ds",
         options=D.RequestOptions(),
         limits=Limits(vocab_size=1000, max_top_k=8),
+        keep_fields=["text"],
     )
     assert [i for i, _ in out.valid] == [0] and out.valid[0][1].job_id == "ds:0"
     assert out.tokens == 3
@@ -153,6 +155,8 @@ def test_prepare_rows_splits_valid_and_rejected() -> None:
     assert reasons[1] == "not valid JSON: x"
     assert "outside the vocabulary [0, 1000)" in reasons[2]
     assert reasons[3] == "top_k is 9; the maximum is 8"
+    # A misspelled field rejects its row, naming it, as `submit` would (not silently ignored).
+    assert reasons[4] == "unknown field 'topk' (did you mean 'top_k'?)"
     assert out.ignored_fields == {"text"}
 
 

@@ -1,0 +1,66 @@
+"""The torch-free checkpoint look `teacherq update-weights` runs before committing anything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.checkpoint_probe import HF_FAMILIES, probe_checkpoint
+from shared.errors import InvalidCheckpoint
+
+
+def _hf(tmp_path: Path, config: object, *, weights: bool = True) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights:
+        (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def test_families_match_what_the_consumer_loads() -> None:
+    """The probe's family list is the Hugging Face loader's (kept apart to stay torch-free)."""
+    from consumer.checkpoints.hf import _FAMILIES, SUPPORTED_FAMILIES
+
+    assert set(HF_FAMILIES) == set(SUPPORTED_FAMILIES)
+    assert {k: v["architecture"] for k, v in _FAMILIES.items()} == HF_FAMILIES
+
+
+def test_a_servable_hf_directory_passes(tmp_path: Path) -> None:
+    assert probe_checkpoint(_hf(tmp_path, {"model_type": "qwen3"})) == "hf"
+
+
+@pytest.mark.parametrize(
+    ("config", "weights", "expected"),
+    [
+        ('{"model_type": "qwen2", "hidden', True, r"config.json: line 1 column \d+: not valid"),
+        ({"model_type": "mixtral"}, True, "'mixtral'.*llama, qwen2, qwen3"),
+        ({"model_type": "llama"}, False, "no \\*.safetensors"),
+        ("[1, 2]", True, "expected a JSON object"),
+    ],
+)
+def test_refusals_name_the_file_and_the_problem(tmp_path, config, weights, expected) -> None:
+    """Each refusal is one line naming what to fix."""
+    with pytest.raises(InvalidCheckpoint, match=expected) as info:
+        probe_checkpoint(_hf(tmp_path, config, weights=weights))
+    assert "\n" not in str(info.value)
+
+
+def test_missing_paths_and_megatron_trackers(tmp_path: Path) -> None:
+    """A missing path says so (and how to skip the check); a Megatron tracker must name a
+    step directory that exists."""
+    with pytest.raises(InvalidCheckpoint, match="does not exist here.*--no-check"):
+        probe_checkpoint(tmp_path / "nope")
+    root = tmp_path / "megatron"
+    root.mkdir()
+    (root / "latest_checkpointed_iteration.txt").write_text("200")
+    with pytest.raises(InvalidCheckpoint, match="iter_0000200"):
+        probe_checkpoint(root)
+    (root / "iter_0000200").mkdir()
+    (root / "iter_0000200" / "metadata.json").write_text("{}")
+    assert probe_checkpoint(root) == "megatron"
+    (root / "latest_checkpointed_iteration.txt").write_text("latest")
+    with pytest.raises(InvalidCheckpoint, match="expected an integer"):
+        probe_checkpoint(root)
