@@ -11,6 +11,7 @@ from consumer.faults import FaultInjector
 from consumer.graphs import GraphedForward
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
+from consumer.preflight import UnsafeRedis, preflight
 from consumer.scoring import Scorer
 from consumer.worker import Leader, StopFlag, follow
 from shared.messages import Job, TeacherRequest
@@ -87,7 +88,8 @@ def warmup(scorer: Scorer) -> None:
 
 
 def run(settings: Settings) -> int:
-    """Serve the queue until stopped; returns the process exit code."""
+    """Serve the queue until stopped; returns the process exit code. Raises UnsafeRedis,
+    before loading the model, when the start-up checks refuse (see `preflight`)."""
     cpu_compat.apply()
     stop = StopFlag()
     stop.install()
@@ -103,11 +105,21 @@ def run(settings: Settings) -> int:
     )
     try:
         client, served = None, None
+        verdict = ""
         if layout.is_leader:
-            from shared import weights
             from shared.redis_server import connect
 
             client = connect(settings.redis)
+            verdict = preflight(client, settings)
+        # Start-up checks come before the model loads (minutes for a large teacher), and every
+        # rank of the group learns their verdict: all exit with the configuration code.
+        verdict = broadcast_text(verdict, src=layout.leader_rank, group=layout.tp_group)
+        if verdict:
+            raise UnsafeRedis(verdict)
+        if layout.is_leader:
+            from shared import weights
+
+            assert client is not None
             control_cursor = last_control_id(client, settings.queue.name)
             served = weights.current(client, settings.queue.name)
         # The queue may have moved to other weights (update-weights): every rank loads those.

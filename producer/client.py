@@ -13,6 +13,7 @@ import structlog
 from producer.progress import WaitProgress, track_wait
 from shared import keys, weights
 from shared.errors import InvalidJob, QueueFull
+from shared.memory import MemoryInfo, read_memory
 from shared.messages import (
     Limits,
     TeacherRequest,
@@ -31,6 +32,8 @@ from shared.tracing import span
 from shared.weights import UpdateRequest
 
 log = structlog.get_logger("teacherq.client")
+
+MEMORY_CHECK_EVERY = 64  # jobs per INFO memory round trip while submitting
 
 
 class TeacherClient:
@@ -103,7 +106,9 @@ class TeacherClient:
             prepared.append((job_id, req))
         self.streams.ensure_group()
         ids = []
-        for job_id, req in prepared:
+        for i, (job_id, req) in enumerate(prepared):
+            if i % MEMORY_CHECK_EVERY == 0:
+                self._wait_for_memory()
             self._wait_for_room(req.num_tokens)
             with span("submit", job_id=job_id, tokens=req.num_tokens) as s:
                 traced = req.model_copy(update={"trace": s.carrier})
@@ -112,6 +117,44 @@ class TeacherClient:
                 s.set(enqueued=entry is not None)
             ids.append(job_id)
         return ids
+
+    def _memory_full(self) -> MemoryInfo | None:
+        """Redis's memory figures if above queue.max_memory_fraction of maxmemory, else None."""
+        info = read_memory(self.r)
+        return info if info.above(self.settings.queue.max_memory_fraction) else None
+
+    def _memory_message(self, info: MemoryInfo) -> str:
+        q = self.settings.queue
+        return (
+            f"queue {self.queue}: Redis memory is {info.describe()}, above "
+            f"queue.max_memory_fraction={q.max_memory_fraction}; results could not be stored. "
+            "Remedy: read finished results (or set queue.delete_result_on_read), shorten "
+            "queue.result_ttl_s / queue.trace_ttl_s, add consumers, or raise Redis maxmemory"
+        )
+
+    def _wait_for_memory(self) -> None:
+        """Memory backpressure: block (or raise, by queue.backpressure) while Redis uses more
+        than queue.max_memory_fraction of maxmemory."""
+        info = self._memory_full()
+        if info is None:
+            return
+        q = self.settings.queue
+        if q.backpressure == "raise":
+            raise QueueFull(self._memory_message(info))
+        log.warning("submit.memory_backpressure", queue=self.queue, used=info.used,
+                    limit=info.limit)  # fmt: skip
+        deadline = time.monotonic() + q.backpressure_timeout_s
+        cursor = self._done_cursor()
+        while (info := self._memory_full()) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueFull(
+                    self._memory_message(info) + f" (waited {q.backpressure_timeout_s:.0f}s)"
+                )
+            # Completions are when memory may fall (acks, trims); wake on them, at least 1/s.
+            reply = self.r.xread({self.streams.done: cursor}, block=int(min(left, 1) * 1000))
+            for _stream, entries in cast(StreamReply, reply) or []:
+                cursor = entries[-1][0]
 
     def _wait_for_room(self, tokens: int) -> None:
         """Backpressure: block (or raise, by setting) while the queue holds more pending
@@ -143,13 +186,21 @@ class TeacherClient:
                 cursor = entries[-1][0]
 
     def results(self, job_ids: Sequence[str]) -> list[TeacherResult | None]:
-        """Results of finished jobs, None for jobs not finished yet (no waiting)."""
+        """Results of finished jobs, None for jobs not finished yet (no waiting). With
+        queue.delete_result_on_read, the records returned are deleted from Redis."""
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(keys.result_key(self.queue, job_id))
         out: list[TeacherResult | None] = []
         for fields in pipe.execute():
             out.append(decode_record(fields, store=self.store) if fields else None)
+        if self.settings.queue.delete_result_on_read:
+            # Read once, then gone from Redis (queue.delete_result_on_read): the record's
+            # memory is freed now instead of after result_ttl_s. Bulk objects stay in storage.
+            read = [keys.result_key(self.queue, j) for j, res in zip(job_ids, out, strict=True)
+                    if res is not None]  # fmt: skip
+            if read:
+                self.r.unlink(*read)
         return out
 
     def wait(

@@ -1,0 +1,267 @@
+"""Redis under pressure, with a real valkey-server at a small `maxmemory` (noeviction) and real
+consumer processes: a full Redis, dead consumers and retention never turn good work into
+failures (issue #21).
+
+Each test starts its own server (it is filled to its limit) through the helpers of
+tests/conftest.py; "ballast" keys fill it and deleting them frees it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer import QueueFull, TeacherClient, TeacherRequest
+from shared import keys
+from shared.redis_server import free_port, server_args, wait_ready
+from shared.settings import Settings, to_env
+from shared.streams import Streams
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+BALLAST = "ballast:"
+
+
+class SmallRedis:
+    """A valkey-server of one test, AOF on, noeviction, `maxmemory` small."""
+
+    def __init__(self, data: Path, maxmemory: str) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        args = server_args(data_dir=data, port=self.port, daemonize=False)
+        self.proc = subprocess.Popen([*args, "--maxmemory", maxmemory])
+        wait_ready(self.url)
+        self.r = redis.Redis.from_url(self.url)
+        self._n = 0
+
+    def fill(self) -> int:
+        """Write ballast until Redis refuses even a small write (OOM); returns the ballast keys
+        written. (A large write can be refused for its own query buffer, hence the smaller
+        pieces at the end.)"""
+        written = 0
+        for chunk in (16384, 1024, 64, 8):
+            while True:
+                try:
+                    self.r.set(f"{BALLAST}{self._n}", b"x" * chunk)
+                except redis.exceptions.OutOfMemoryError:
+                    break
+                self._n += 1
+                written += 1
+        return written
+
+    def free(self) -> None:
+        """Delete every ballast key."""
+        for key in self.r.scan_iter(f"{BALLAST}*", count=1000):
+            self.r.unlink(key)
+
+    def full(self) -> bool:
+        """True when Redis refuses a small write."""
+        try:
+            self.r.set("probe", b"x" * 64)
+        except redis.exceptions.OutOfMemoryError:
+            return True
+        self.r.delete("probe")
+        return False
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def small_redis(tmp_path: Path) -> Iterator[SmallRedis]:
+    """A valkey-server with maxmemory 8 MB (the tiny model's jobs and results fit many times)."""
+    data = tmp_path / "small-redis"
+    data.mkdir()
+    server = SmallRedis(data, "8mb")
+    yield server
+    server.stop()
+
+
+def on(settings: Settings, url: str, **consumer: object) -> Settings:
+    """`settings` on the given Redis, with short timeouts and the consumer fields given."""
+    base = {
+        "block_ms": 100,
+        "visibility_timeout_s": 2.0,
+        "heartbeat_interval_s": 0.3,
+        "job_timeout_s": 20.0,
+        "max_deliveries": 3,
+        "batch_max_jobs": 4,
+        "token_budget": 64,
+        "stop_grace_s": 3.0,
+    }
+    base.update(consumer)
+    return settings.model_copy(
+        update={
+            "redis": settings.redis.model_copy(update={"url": url}),
+            "consumer": settings.consumer.model_copy(update=base),
+        }
+    )
+
+
+def jobs(n: int, prefix: str = "j") -> list[TeacherRequest]:
+    return [
+        TeacherRequest(input_ids=[1 + i % 50, 2, 3, 4 + i % 300], top_k=2, job_id=f"{prefix}-{i}")
+        for i in range(n)
+    ]
+
+
+# -- the result record: a dead letter never wins over a real result ---------------------------
+
+
+def _record(status: str, job_id: str) -> dict:
+    return {"v": "1", "status": status, "meta": json.dumps({"job_id": job_id, "error": None})}
+
+
+def test_real_result_replaces_a_dead_letter_and_never_the_reverse(r, settings) -> None:
+    """A dead letter written first is replaced by the real result (record and dead-letter
+    entry), and a dead letter that comes after a real result is not written at all."""
+    q = settings.queue.name
+    streams = Streams(r, q)
+    streams.ensure_group()
+    dead = {"job_id": "a", "reason": "delivered 4 times"}
+    assert streams.complete(job_id="a", entry_id="", status="failed", record=_record("failed", "a"),
+                            ttl_s=60, dead_letter=dead)  # fmt: skip
+    assert r.xlen(keys.dead_stream(q)) == 1
+    assert streams.complete(job_id="a", entry_id="", status="ok", record=_record("ok", "a"),
+                            ttl_s=60)  # fmt: skip
+    assert r.hget(keys.result_key(q, "a"), "status") == b"ok"
+    assert r.hget(keys.result_key(q, "a"), "dead_entry") is None
+    assert r.xlen(keys.dead_stream(q)) == 0, "the dead letter is gone with its record"
+    # The other order: the real result first; the late dead letter changes nothing.
+    assert streams.complete(job_id="b", entry_id="", status="ok", record=_record("ok", "b"),
+                            ttl_s=60)  # fmt: skip
+    assert not streams.complete(job_id="b", entry_id="", status="failed",
+                                record=_record("failed", "b"), ttl_s=60,
+                                dead_letter={**dead, "job_id": "b"})  # fmt: skip
+    assert r.hget(keys.result_key(q, "b"), "status") == b"ok"
+    assert r.xlen(keys.dead_stream(q)) == 0
+    # A cancellation (a failure without dead letter) is not replaced by a late result.
+    assert streams.complete(job_id="c", entry_id="", status="failed",
+                            record=_record("failed", "c"), ttl_s=60)  # fmt: skip
+    assert not streams.complete(job_id="c", entry_id="", status="ok", record=_record("ok", "c"),
+                                ttl_s=60)  # fmt: skip
+
+
+# -- a full Redis ------------------------------------------------------------------------------
+
+
+def test_group_and_refresh_work_while_redis_is_full(small_redis, settings) -> None:
+    """With Redis at maxmemory: an existing group is no error, the in-flight refresh still
+    resets idle times (and never takes back an entry another consumer took over), acks of
+    skipped entries go through, and the submit script is refused as a whole."""
+    from consumer.claims import Claimer
+
+    r = small_redis.r
+    streams = Streams(r, settings.queue.name)
+    streams.ensure_group()
+    ids = [r.xadd(streams.jobs, {"n_tokens": 4, "x": i}) for i in range(3)]
+    r.xreadgroup(streams.group, "me", {streams.jobs: ">"}, count=3)
+    small_redis.fill()
+    assert small_redis.full()
+    streams.ensure_group()  # XGROUP CREATE is refused under OOM; the group exists: fine
+    mine = Claimer(streams, "me", visibility_timeout_s=60, block_ms=10)
+    time.sleep(0.2)
+    r.xclaim(streams.jobs, streams.group, "other", min_idle_time=0, message_ids=[ids[2]])
+    assert mine.touch([i.decode() for i in ids]) == 2, "refreshes its own two, not the third"
+    rows = r.xpending_range(streams.jobs, streams.group, "-", "+", 10)
+    owners = {row["message_id"]: row["consumer"] for row in rows}
+    assert owners[ids[2]] == b"other"
+    assert all(row["time_since_delivered"] < 150 for row in rows)
+    streams.ack(ids[0].decode(), tokens=4)  # flagged allow-oom: acking frees memory
+    assert r.xpending(streams.jobs, streams.group)["pending"] == 2
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        streams.submit("new", {"job_id": "new"}, tokens=4)
+    assert not r.exists(keys.submitted_key(settings.queue.name, "new")), "refused as a whole"
+
+
+def test_submit_refuses_or_blocks_above_the_memory_fraction(small_redis, settings) -> None:
+    """Above queue.max_memory_fraction of maxmemory, submit raises QueueFull naming the queue,
+    the figures and the remedy (backpressure=raise), or waits until there is room (block)."""
+    s = on(settings, small_redis.url)
+    q = s.queue.model_copy(update={"backpressure": "raise", "max_memory_fraction": 0.5})
+    client = TeacherClient(s.model_copy(update={"queue": q}))
+    client.submit(jobs(2, "before"))
+    small_redis.fill()
+    with pytest.raises(QueueFull) as err:
+        client.submit(jobs(1, "refused"))
+    text = str(err.value)
+    assert q.name in text and "MiB of" in text and "max_memory_fraction=0.5" in text
+    assert "maxmemory" in text and "delete_result_on_read" in text
+    blocking = s.model_copy(update={"queue": q.model_copy(update={"backpressure": "block"})})
+    client = TeacherClient(blocking)
+    done: list[str] = []
+    import threading
+
+    t = threading.Thread(target=lambda: done.extend(client.submit(jobs(1, "waited"))))
+    t.start()
+    time.sleep(1.5)
+    assert not done, "blocked while Redis is above the fraction"
+    small_redis.free()
+    t.join(timeout=10)
+    assert done == ["waited-0"]
+
+
+def test_status_shows_memory(small_redis, settings) -> None:
+    """`status --json` reports Redis used / limit (near 100 % once filled)."""
+    s = on(settings, small_redis.url)
+    env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
+    small_redis.fill()
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "status", "--json"], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    mem = json.loads(out.stdout)["memory"]
+    assert mem["limit_bytes"] == 8 * 2**20
+    assert mem["used_bytes"] > mem["limit_bytes"] * 0.9
+    assert mem["fraction"] > 0.9
+
+
+# -- start-up ----------------------------------------------------------------------------------
+
+
+def test_unsafe_redis_exits_78_before_the_model_loads(small_redis, settings, tmp_path) -> None:
+    """AOF off: the consumer prints one or two lines, no traceback, and exits 78 without
+    loading the model."""
+    small_redis.r.config_set("appendonly", "no")
+    s = on(settings, small_redis.url)
+    env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 78
+    assert "AOF is off" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert len(out.stderr.strip().splitlines()) <= 2
+    assert "model" not in out.stdout.lower() or "consumer.ready" not in out.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_consumer_starts_and_stops_while_redis_is_full(small_redis, settings, start_consumer):
+    """A consumer started while Redis is full stays up (the group exists: no crash loop),
+    reports itself alive, and exits on SIGTERM within its grace period."""
+    s = on(settings, small_redis.url)
+    TeacherClient(s).streams.ensure_group()
+    small_redis.fill()
+    proc = start_consumer(s)  # waits for its heartbeat: it is written while Redis is full
+    time.sleep(2.0)
+    assert proc.poll() is None, proc.log_path.read_text()[-2000:]
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10
+
+
+def _unique(settings: Settings) -> Settings:
+    q = settings.queue.model_copy(update={"name": f"p{uuid.uuid4().hex[:8]}"})
+    return settings.model_copy(update={"queue": q})
