@@ -162,7 +162,13 @@ def run(settings: Settings) -> int:
         )
         from shared.spans import install_sink
 
-        sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")
+        sink = install_sink(
+            client,
+            settings.queue.name,
+            process=f"consumer {leader.name}",
+            ttl_s=settings.queue.trace_ttl_s,
+            sample_rate=settings.queue.trace_sample_rate,
+        )
         try:
             leader.run()
         finally:

@@ -87,8 +87,8 @@ class QueueSettings(_Section):
     by default, since traces are for diagnosis, not an archive."""
 
     trace_sample_rate: float = Field(default=1.0, ge=0, le=1)
-    """Share of jobs whose trace is recorded (by job id, so every process agrees); 0 records
-    none. Traces are most of a small job's memory (docs/deploy.md)."""
+    """Share of traces recorded (decided from the trace id, so every process a job crosses
+    agrees); 0 records none. Traces are most of a small job's memory (docs/deploy.md)."""
 
     delete_result_on_read: bool = False
     """Delete a result record from Redis once the client has read it (`wait`/`results`):

@@ -265,3 +265,43 @@ def test_consumer_starts_and_stops_while_redis_is_full(small_redis, settings, st
 def _unique(settings: Settings) -> Settings:
     q = settings.queue.model_copy(update={"name": f"p{uuid.uuid4().hex[:8]}"})
     return settings.model_copy(update={"queue": q})
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+
+def test_traces_have_their_own_ttl_and_sampling(r, settings) -> None:
+    """Span records expire after queue.trace_ttl_s; at a sampling rate of 0.5 about half the
+    traces are kept, whole, and two processes keep exactly the same ones."""
+    from shared.spans import RedisSpanSink
+
+    q = settings.queue.name
+    trace_ids = [uuid.uuid4().hex for _ in range(400)]
+    kept: list[set[str]] = []
+    for process in range(2):
+        sink = RedisSpanSink(r, q, ttl_s=120, sample_rate=0.5)
+        for tid in trace_ids:
+            sink({"trace_id": tid, "span_id": f"s{process}", "parent_span_id": None,
+                  "name": "x", "start_time": time.time(), "duration_ms": 1.0,
+                  "attrs": {"job_id": f"job-{tid}"}})  # fmt: skip
+        sink.close()
+        kept.append({t for t in trace_ids if r.exists(keys.trace_key(q, t))})
+    assert kept[0] == kept[1], "every process keeps the same traces"
+    assert 140 <= len(kept[0]) <= 260, len(kept[0])  # binomial(400, 0.5): 6 sigma
+    some = next(iter(kept[0]))
+    assert r.llen(keys.trace_key(q, some)) == 2, "a kept trace has the spans of both processes"
+    assert 0 < r.ttl(keys.trace_key(q, some)) <= 120
+    assert 0 < r.ttl(keys.job_trace_key(q, f"job-{some}")) <= 120
+
+
+def test_result_deleted_once_read(r, settings) -> None:
+    """With queue.delete_result_on_read, `results` returns a record once and deletes it;
+    results not finished yet are left alone."""
+    q = settings.queue.model_copy(update={"delete_result_on_read": True})
+    client = TeacherClient(settings.model_copy(update={"queue": q}))
+    client.streams.complete(job_id="read-me", entry_id="", status="ok",
+                            record=_record("ok", "read-me"), ttl_s=60)  # fmt: skip
+    first = client.results(["read-me", "not-yet"])
+    assert first[0] is not None and first[0].job_id == "read-me" and first[1] is None
+    assert not r.exists(keys.result_key(q.name, "read-me"))
+    assert client.results(["read-me"]) == [None]
