@@ -68,6 +68,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="tq-heartbeat", daemon=True)
         self._beat = client.register_script(_BEAT)
         self.extra: dict[str, Any] = {}  # more fields for the record (e.g. Redis memory)
+        # Called on this thread before each beat (sampling Redis memory, noticing a stop).
+        self.on_beat: list[Callable[[], None]] = []
 
     def start(self) -> None:
         """Beat once now (if Redis lets us), then every interval."""
@@ -126,6 +128,11 @@ class Heartbeat:
             # Refresh first and on its own: our entries must not idle out because some other
             # write failed (a failed refresh is logged inside and retried next interval).
             self.refresh()
+            for hook in self.on_beat:
+                try:
+                    hook()
+                except redis.RedisError as exc:
+                    log.warning("heartbeat.hook_failed", error=str(exc))
             try:
                 self.beat()
             except redis.RedisError as exc:  # Redis restarting: keep beating once it is back

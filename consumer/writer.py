@@ -76,6 +76,7 @@ class ResultWriter:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._storing: dict[str, int] = {}  # job id -> unfinished writes of it
+        self._entries: set[str] = set()  # entry ids of unfinished writes
         self._refused_since: float | None = None  # first OOM refusal since the last success
         self._deadline: float | None = None  # give up retrying after this (monotonic)
         self.abandoned = 0
@@ -90,6 +91,16 @@ class ResultWriter:
         with self._lock:
             return job_id in self._storing
 
+    def storing_entry(self, entry_id: str) -> bool:
+        """Whether a write that acknowledges this entry is queued or under way here."""
+        with self._lock:
+            return entry_id in self._entries
+
+    @property
+    def abandoning(self) -> bool:
+        """Whether a stop's grace deadline is set."""
+        return self._deadline is not None
+
     def abandon_after(self, grace_s: float) -> None:
         """Stop requested: writes still failing `grace_s` from now are given up (their
         entries stay pending and are redelivered)."""
@@ -101,20 +112,25 @@ class ResultWriter:
         while len(self._futures) >= self.max_queued:
             self._futures[0].result()
             self._futures = [f for f in self._futures if not f.done()]
-        self._mark(task.result.job_id, +1)
+        self._mark(task, +1)
         self._futures.append(self._pool.submit(self._write_with_retry, task))
 
-    def _mark(self, job_id: str, delta: int) -> None:
+    def _mark(self, task: WriteTask, delta: int) -> None:
+        job_id = task.result.job_id
         with self._lock:
             n = self._storing.get(job_id, 0) + delta
             if n > 0:
                 self._storing[job_id] = n
             else:
                 self._storing.pop(job_id, None)
+            if delta > 0:
+                self._entries.add(task.entry_id)
+            else:
+                self._entries.discard(task.entry_id)
 
     def write_now(self, task: WriteTask) -> bool:
         """Persist in this thread (dead letters, duplicates); True if this call wrote."""
-        self._mark(task.result.job_id, +1)
+        self._mark(task, +1)
         return self._write_with_retry(task)
 
     def flush(self) -> None:
@@ -136,7 +152,7 @@ class ResultWriter:
         try:
             return self._retry(task)
         finally:
-            self._mark(task.result.job_id, -1)
+            self._mark(task, -1)
 
     def _retry(self, task: WriteTask) -> bool:
         delay = 0.05

@@ -305,3 +305,76 @@ def test_result_deleted_once_read(r, settings) -> None:
     assert first[0] is not None and first[0].job_id == "read-me" and first[1] is None
     assert not r.exists(keys.result_key(q.name, "read-me"))
     assert client.results(["read-me"]) == [None]
+
+
+# -- consumers while Redis fills up and frees again --------------------------------------------
+
+
+def _computed_jobs(procs) -> int:
+    """Jobs scored, summed over the consumers' `batch.done` log lines."""
+    total = 0
+    for p in procs:
+        for line in p.log_path.read_text().splitlines():
+            if '"batch.done"' in line:
+                total += json.loads(line)["jobs"]
+    return total
+
+
+def _log_events(procs, event: str) -> int:
+    return sum(p.log_path.read_text().count(f'"{event}"') for p in procs)
+
+
+def test_full_redis_turns_no_good_work_into_failures(small_redis, settings, start_consumer):
+    """Two consumers work while Redis fills to maxmemory and stays full for several visibility
+    timeouts, then is freed: every job succeeds, none is dead-lettered, none is computed twice
+    (their entries stay refreshed, nobody takes them over), and both consumers paused while
+    full and resumed after."""
+    s = on(settings, small_redis.url, visibility_timeout_s=1.5, max_deliveries=2)
+    client = TeacherClient(s)
+    procs = [start_consumer(s), start_consumer(s)]
+    ids = client.submit(jobs(40, "full"))
+    client.wait(ids[:4], timeout=60)
+    small_redis.fill()
+    time.sleep(6.0)  # four visibility timeouts, twenty heartbeats
+    assert all(p.poll() is None for p in procs)
+    status = client.status()
+    assert sum(c["alive"] for c in status["consumers"].values()) == 2, "alive while full"
+    assert all(c.get("paused") for c in status["consumers"].values())
+    small_redis.free()
+    results = client.wait(ids, timeout=120)
+    assert all(res.ok for res in results), [res.error for res in results if not res.ok][:3]
+    assert small_redis.r.xlen(keys.dead_stream(s.queue.name)) == 0
+    assert _log_events(procs, "job.dead_lettered") == 0
+    assert _computed_jobs(procs) == len(ids), "no job computed twice"
+    assert _log_events(procs, "consumer.paused") >= 1
+    assert _log_events(procs, "consumer.resumed") >= 1
+
+
+def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consumer, r) -> None:
+    """A consumer killed mid-batch is found dead by its heartbeat within seconds — far below
+    the visibility timeout (120 s here) — its entries are finished by another consumer, and
+    its name and heartbeat record are then pruned; names of consumers stopped cleanly too."""
+    s = on(settings, settings.redis.url or "", visibility_timeout_s=120.0)
+    client = TeacherClient(s)
+    stopped = start_consumer(s)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=30) == 0
+    ids = client.submit(jobs(8, "dead"))
+    victim = start_consumer(on(s, s.redis.url or "", crash_at="compute:1"), wait=False)
+    assert victim.wait(timeout=120) == 137
+    t0 = time.monotonic()
+    survivor = start_consumer(s)
+    results = client.wait(ids, timeout=60)
+    assert all(res.ok for res in results)
+    assert time.monotonic() - t0 < 60, "taken over long before the visibility timeout"
+    stream, group = keys.jobs_stream(s.queue.name), s.queue.group
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        names = {c["name"].decode() for c in r.xinfo_consumers(stream, group)}
+        beats = set(client.consumers())
+        if len(names) == 1 and len(beats) == 1:
+            break
+        time.sleep(0.2)
+    assert len(names) == 1 and names == beats, (names, beats)
+    assert _log_events([survivor], "consumer.pruned") >= 1
+    assert r.xpending(stream, group)["pending"] == 0
