@@ -8,12 +8,14 @@ import torch
 from consumer import cpu_compat
 from consumer.batching import batch_from_jobs, broadcast_text
 from consumer.faults import FaultInjector
+from consumer.follower import follow
 from consumer.graphs import GraphedForward
+from consumer.leader import Leader
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.preflight import UnsafeRedis, preflight
 from consumer.scoring import Scorer
-from consumer.worker import Leader, StopFlag, follow
+from consumer.stop import StopFlag
 from shared.messages import Job, TeacherRequest
 from shared.settings import Settings
 

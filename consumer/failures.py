@@ -1,0 +1,71 @@
+"""Failing for good, on the consumer side: a job that must not, or can no longer, be computed."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from consumer.metrics import ConsumerMetrics
+from consumer.replica import Served
+from consumer.writer import ResultWriter, WriteTask
+from shared.messages import TeacherResult, entry_tokens
+
+log = structlog.get_logger("teacherq.consumer")
+
+
+class DeadLetters:
+    """Moves entries to the dead-letter stream and gives their waiters the error."""
+
+    def __init__(
+        self, *, writer: ResultWriter, metrics: ConsumerMetrics, served: Served, consumer: str
+    ) -> None:
+        self.writer = writer
+        self.metrics = metrics
+        self.served = served
+        self.consumer = consumer
+
+    def send(
+        self,
+        entry_id: str,
+        fields: dict[bytes, bytes],
+        *,
+        reason: str,
+        exc_type: str,
+        deliveries: int,
+        attempts: int = 0,
+    ) -> None:
+        """Move an entry to the dead-letter stream with why, and give waiters the error.
+
+        `deliveries` is how often the entry was delivered; `attempts` how often it was
+        actually computed (0 for invalid input)."""
+        raw_id = fields.get(b"job_id", b"")
+        try:
+            job_id = raw_id.decode() or f"entry-{entry_id}"
+        except UnicodeDecodeError:
+            job_id = f"entry-{entry_id}"
+        dead = {
+            "job_id": job_id,
+            "entry_id": entry_id,
+            "reason": reason,
+            "exception": exc_type,
+            "deliveries": deliveries,
+            "attempts": attempts,
+            "consumer": self.consumer,
+            "time": time.time(),
+        }
+        for k, v in fields.items():  # the original payload, field by field
+            dead[f"orig:{k.decode(errors='replace')}"] = v
+        result = TeacherResult(job_id=job_id, model_version=self.served.version, error=reason)
+        self.writer.write_now(
+            WriteTask(
+                result=result,
+                entry_id=entry_id,
+                tokens=entry_tokens(fields),
+                status="failed",
+                dead_letter=dead,
+            )
+        )
+        self.metrics.dead_lettered(reason=exc_type)
+        self.metrics.job_failed(reason=exc_type)
+        log.warning("job.dead_lettered", job_id=job_id, entry_id=entry_id, reason=reason)

@@ -1,0 +1,53 @@
+"""A non-leader rank of a TP group: it never talks to Redis, it obeys the leader's broadcasts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from consumer.agreement import GroupFailure, score_agreed
+from consumer.batching import (
+    BATCH,
+    RELOAD,
+    SLEEP,
+    STOP,
+    WAKE,
+    broadcast_header,
+    broadcast_text,
+    receive_batch,
+)
+from consumer.faults import FaultInjector
+from consumer.scoring import Scorer
+
+log = structlog.get_logger("teacherq.consumer")
+
+
+def follow(
+    scorer: Scorer,
+    faults: FaultInjector,
+    *,
+    reload: Callable[[str], tuple[Scorer, str]] | None = None,
+) -> None:
+    """A non-leader rank: obey the leader's commands — score batches, reload, sleep, wake —
+    until it signals stop."""
+    layout = scorer.layout
+    src, group = layout.leader_rank, layout.tp_group
+    while True:
+        word, a, b, c = broadcast_header(STOP, src=src, group=group)
+        if word == STOP:
+            return
+        if word == BATCH:
+            batch = receive_batch(a, b, c, src=src, group=group)
+            try:
+                score_agreed(scorer, batch, faults)
+            except GroupFailure as exc:
+                log.warning("batch.failed", rank=layout.rank, error=str(exc))
+        elif word == RELOAD:
+            path = broadcast_text("", src=src, group=group)
+            if reload is not None:
+                scorer, _ = reload(path)
+        elif word == SLEEP:
+            scorer.offload()
+        elif word == WAKE:
+            scorer.onload()

@@ -1,0 +1,344 @@
+"""The leader's loop: claim jobs from the stream, score them, store results, acknowledge.
+
+Only the leader rank of a replica talks to Redis. Per batch it:
+1. takes entries from the claimer (own pending list, then idle entries of dead consumers,
+   then new ones) — on a prefetch thread (consumer/prefetch.py), so the next batch is claimed
+   while the device computes;
+2. admits them (consumer/intake.py): invalid entries and entries delivered more than
+   `max_deliveries` times go to the dead-letter stream at once (consumer/failures.py);
+   jobs that already have a result are acknowledged without recomputing;
+3. packs the rest into token-budgeted micro-batches, and the group scores each
+   (consumer/batch_runner.py, agreeing on failure through consumer/agreement.py); a failed
+   batch is split and each job retried alone, and a job that fails alone is dead-lettered;
+4. hands each result to background writers (consumer/writer.py): bulk arrays to object
+   storage, then one atomic script writes the record, announces it and XACKs. A crash
+   anywhere before that means a redelivery, never a loss.
+Between batches it applies control commands and idle sleep (consumer/control.py) and trims
+the stream (consumer/retention.py). consumer/service.py builds the Leader.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+import structlog
+
+from consumer.batch_runner import BatchRunner
+from consumer.batching import broadcast_batch
+from consumer.claims import Claimer
+from consumer.control import Control
+from consumer.failures import DeadLetters
+from consumer.faults import FaultInjector
+from consumer.heartbeat import Heartbeat
+from consumer.intake import Intake
+from consumer.metrics import ConsumerMetrics
+from consumer.prefetch import Prefetcher
+from consumer.prefix import plan_shared_microbatches
+from consumer.preflight import check_redis
+from consumer.replica import Counters, Served
+from consumer.retention import Janitor
+from consumer.scoring import Scorer
+from consumer.stop import StopFlag
+from consumer.writer import ResultWriter, WriteTask
+from shared import keys, weights
+from shared.messages import Limits
+from shared.settings import Settings
+from shared.storage import ObjectStore
+from shared.streams import Entry, Streams
+from shared.tracing import new_id, now
+
+log = structlog.get_logger("teacherq.consumer")
+
+
+class Leader:
+    """The Redis-facing loop of one replica."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        scorer: Scorer,
+        client: redis.Redis,
+        store: ObjectStore,
+        model_version: str,
+        stop: StopFlag,
+        faults: FaultInjector,
+        reload: Callable[[str], tuple[Scorer, str]] | None = None,
+        generation: int = 0,
+        control_cursor: str = "0-0",
+    ) -> None:
+        self.s = settings
+        self.c = c = settings.consumer
+        self.r = client
+        self.stop = stop
+        self.faults = faults
+        self.queue = settings.queue.name
+        self.served = Served(scorer=scorer, version=model_version, generation=generation)
+        self.counters = Counters()
+        self.streams = Streams(client, self.queue, settings.queue.group)
+        self.name = c.name or f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
+        self.claimer = Claimer(
+            self.streams,
+            self.name,
+            visibility_timeout_s=c.visibility_timeout_s,
+            block_ms=c.block_ms,
+        )
+        self.heartbeat = Heartbeat(
+            client=client,
+            key=keys.consumers_key(self.queue),
+            name=self.name,
+            claimer=self.claimer,
+            interval_s=c.heartbeat_interval_s,
+            job_timeout_s=c.job_timeout_s,
+            describe=self._describe,
+        )
+        self.writer = ResultWriter(
+            streams=self.streams,
+            store=store,
+            queue=self.queue,
+            inline_max_bytes=settings.queue.inline_max_bytes,
+            ttl_s=settings.queue.result_ttl_s,
+            threads=c.store_threads,
+            faults=faults,
+            on_done=self._written,
+        )
+        self.metrics = ConsumerMetrics(
+            queue=self.queue,
+            consumer=self.name,
+            health_max_age_s=max(30.0, 3 * c.heartbeat_interval_s),
+            busy_max_s=c.job_timeout_s,
+        )
+        self.dead_letters = DeadLetters(
+            writer=self.writer, metrics=self.metrics, served=self.served, consumer=self.name
+        )
+        limits = Limits(
+            max_input_tokens=settings.queue.max_input_tokens,
+            max_label_width=settings.queue.max_label_width,
+            max_top_k=settings.queue.max_top_k,
+            max_sample_n=settings.queue.max_sample_n,
+            vocab_size=scorer.spec.vocab_size,
+        )
+        self.intake = Intake(
+            client=client,
+            streams=self.streams,
+            heartbeat=self.heartbeat,
+            metrics=self.metrics,
+            counters=self.counters,
+            dead_letters=self.dead_letters,
+            served=self.served,
+            limits=limits,
+            max_deliveries=c.max_deliveries,
+            consumer=self.name,
+        )
+        self.runner = BatchRunner(
+            served=self.served,
+            client=client,
+            streams=self.streams,
+            writer=self.writer,
+            heartbeat=self.heartbeat,
+            metrics=self.metrics,
+            counters=self.counters,
+            faults=faults,
+            dead_letters=self.dead_letters,
+            max_deliveries=c.max_deliveries,
+            consumer=self.name,
+        )
+        self.control = Control(
+            settings=c,
+            client=client,
+            queue=self.queue,
+            consumer=self.name,
+            served=self.served,
+            heartbeat=self.heartbeat,
+            writer=self.writer,
+            finish_inflight=self.runner.finish_inflight,
+            reload=reload,
+            cursor=control_cursor,
+        )
+        self.janitor = Janitor(client, self.streams.jobs, interval_s=c.janitor_interval_s)
+        self._counter_lock = threading.Lock()
+        self._busy_streak = False
+
+    def _describe(self) -> dict:
+        c = self.counters
+        return {
+            "model_version": self.served.version,
+            "model_generation": self.served.generation,
+            "layout": self.served.scorer.layout.describe(),
+            "jobs_done": c.jobs_done,
+            "jobs_failed": c.jobs_failed,
+            "tokens": c.tokens,
+            "reclaimed": self.claimer.stats.reclaimed,
+            "device_idle_fraction": c.idle_fraction,
+            "prefix_tokens_saved": c.prefix_tokens_saved,
+            "deleted_entries": self.claimer.stats.deleted,
+        }
+
+    def run(self) -> None:
+        """Serve until stopped; every claimed entry is finished, stored and acked first."""
+        check_redis(self.r, policy=self.c.durable_redis)
+        self.streams.ensure_group()
+        self.control.publish_model()
+        self.heartbeat.start()
+        self.heartbeat.state = "ready"
+        log.info("consumer.ready", consumer=self.name, model_version=self.served.version)
+        if self.c.metrics_port:
+            # One port per data-parallel replica of a launch, so leaders never clash.
+            self.metrics.serve(self.c.metrics_port + self.served.scorer.layout.dp_rank)
+        self.metrics.tick("ready")
+        fetcher = Prefetcher(
+            self._fetch,
+            depth=self.c.prefetch_batches,
+            stop=self.stop,
+            serial=lambda: self.claimer.last_was_redelivery,
+        )
+        try:
+            self._loop(fetcher)
+        finally:
+            self.heartbeat.state = "draining"
+            fetcher.close()
+            self.writer.close()
+            layout = self.served.scorer.layout
+            broadcast_batch(None, src=layout.leader_rank, group=layout.tp_group)
+            self.heartbeat.stop("stopped")
+            self.metrics.tick("stopped")
+            self.metrics.close()
+            log.info(
+                "consumer.stopped",
+                consumer=self.name,
+                device_idle_fraction=self.counters.idle_fraction,
+                **vars(self.counters),
+            )
+
+    def _loop(self, fetcher: Prefetcher) -> None:
+        """Take claimed entries and process them until stopped and empty-handed."""
+        runner = self.runner
+        while True:
+            if runner.has_inflight and not fetcher.ahead:
+                runner.finish_inflight()  # claiming inline blocks: nothing may wait on it
+            t_wait = time.perf_counter()
+            # With a batch in flight, only take entries already claimed: if there are none,
+            # store that batch's results now rather than after a blocking read.
+            wait_s = 0.0 if runner.has_inflight else self.c.block_ms / 1000
+            entries = fetcher.get(timeout_s=wait_s)
+            if entries is None:  # stopped and nothing left in hand
+                runner.finish_inflight()
+                return
+            if not entries and runner.has_inflight:
+                runner.finish_inflight()
+                continue
+            if entries:
+                self._work(entries, waited=time.perf_counter() - t_wait)
+                fetcher.processed()
+            elif self.stop.requested:
+                self._busy_streak = False
+                self.heartbeat.state = "draining"
+            else:
+                self._busy_streak = False  # the queue ran dry: waiting now is not idling
+                self.heartbeat.state = "sleeping" if self.control.asleep else "ready"
+                self.control.maybe_sleep()
+            self.metrics.tick(self.heartbeat.state)
+            self.control.check()
+            self.janitor.maybe_trim()
+
+    def _work(self, entries: list[Entry], *, waited: float) -> None:
+        """Process claimed entries and charge the device's idle time.
+
+        Idle = waiting for entries that were already there (the prefetcher was behind) +
+        everything in processing that is not scoring (decode, checks, handing results to the
+        writers)."""
+        waited = waited if self._busy_streak else 0.0
+        busy_before = self.counters.busy_s
+        t_proc = time.perf_counter()
+        self.control.wake()
+        self.heartbeat.state = "busy"
+        self.metrics.tick("busy")
+        self._process_until_done(entries)
+        spent = time.perf_counter() - t_proc
+        self.counters.idle_s += waited + spent - (self.counters.busy_s - busy_before)
+        self._busy_streak = True
+        self.control.worked()
+
+    def _batch_size(self) -> int:
+        """Jobs per read: a share of the configured total across live replicas, if set."""
+        total = self.c.max_in_flight_total
+        if total is None:
+            return self.c.batch_max_jobs
+        live = weights.live_replicas(
+            self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s, states=("ready", "busy")
+        )
+        return max(1, min(self.c.batch_max_jobs, math.ceil(total / max(len(live), 1))))
+
+    def _fetch(self) -> list[Entry]:
+        """Claim entries (called on the prefetch thread, or inline without prefetch)."""
+        read0 = now()
+        while True:
+            try:
+                entries = self.claimer.next_entries(self._batch_size())
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis restarting: wait for it; the loop resumes on its own.
+                log.warning("claim.redis_unavailable", error=str(exc))
+                if self.stop.requested:
+                    return []
+                time.sleep(1.0)
+        if entries:
+            self.intake.read(entries, read0=read0, read1=now())
+            self.heartbeat.hold([eid.decode() for eid, _ in entries])
+            self.faults.reached("read")
+        return entries
+
+    def _process_until_done(self, entries: list[Entry]) -> None:
+        """Process claimed entries, riding out a Redis outage: the entries stay pending to us,
+        and processing them again is safe (finished jobs are skipped, writes are idempotent)."""
+        delay = 0.1
+        while True:
+            try:
+                self._process(entries)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _process(self, entries: list[Entry]) -> None:
+        claimed_at = time.time()
+        deliveries = self.claimer.delivery_counts([eid for eid, _ in entries])
+        jobs = self.intake.admit(entries, deliveries=deliveries, claimed_at=claimed_at)
+        # Entries delivered before were in flight when something died: run each alone, so a
+        # poison job cannot take innocent batch-mates down with it again.
+        suspects = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) > 1]
+        fresh = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) <= 1]
+        groups = plan_shared_microbatches(
+            fresh,
+            token_budget=self.c.token_budget,
+            min_prefix_tokens=self.c.min_shared_prefix or None,
+        )
+        for group in groups + [[j] for j in suspects]:
+            counts = {j.entry_id: deliveries.get(j.entry_id.encode(), 1) for j in group}
+            if group[0] in suspects:  # alone on the device too, with nothing else in flight
+                self.runner.finish_inflight()
+            # One id per micro-batch: each has its own trace.
+            self.runner.score_and_store(
+                group, batch_id=new_id(), claimed_at=claimed_at, deliveries=counts
+            )
+        if suspects:  # finished before the prefetcher may claim more (see Prefetcher)
+            self.runner.finish_inflight()
+
+    def _written(self, task: WriteTask, wrote: bool) -> None:
+        """A write finished (on a writer thread): count it and let the heartbeat let go."""
+        self.heartbeat.release(task.entry_id)
+        with self._counter_lock:
+            if task.status == "ok":
+                self.counters.jobs_done += wrote
+                self.counters.tokens += task.tokens if wrote else 0
+                if wrote:
+                    self.metrics.job_done(tokens=task.tokens)
+            else:
+                self.counters.jobs_failed += wrote

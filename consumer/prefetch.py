@@ -1,0 +1,86 @@
+"""Claim the next batch on a background thread while the device computes the current one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from consumer.stop import StopFlag
+from shared.streams import Entry
+
+
+class Prefetcher:
+    """Claims the next batch on a background thread while the current one computes.
+
+    With depth 0 the loop claims inline. On stop, the thread stops claiming, and everything
+    it already claimed is still handed out (and so finished) before `get` returns None.
+    After claiming redelivered entries (`serial()` true) it waits until the loop has processed
+    them before claiming more: a redelivered entry may be the poison that kills the process,
+    and entries claimed ahead of it would be charged a delivery for nothing.
+    """
+
+    _DONE = object()
+
+    def __init__(
+        self,
+        fetch: Callable[[], list[Entry]],
+        *,
+        depth: int,
+        stop: StopFlag,
+        serial: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.fetch = fetch
+        self.stop = stop
+        self.depth = depth
+        self.serial = serial
+        self._processed = threading.Event()
+        self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name="tq-prefetch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.requested:
+                entries = self.fetch()
+                if entries:
+                    wait = self.serial()
+                    self._processed.clear()
+                    self._q.put(entries)
+                    while wait and not self._processed.wait(0.5) and not self.stop.requested:
+                        pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, re-raised there
+            self._error = exc
+        finally:
+            self._q.put(self._DONE)
+
+    @property
+    def ahead(self) -> bool:
+        """Whether entries are claimed on a background thread (else `get` claims inline)."""
+        return self._thread is not None
+
+    def get(self, *, timeout_s: float) -> list[Entry] | None:
+        """The next claimed entries, [] if none arrived in time, None once stopped and empty."""
+        if self._thread is None:
+            return None if self.stop.requested else self.fetch()
+        try:
+            item = self._q.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        if item is self._DONE:
+            if self._error is not None:
+                raise self._error
+            return None
+        return item
+
+    def processed(self) -> None:
+        """The loop finished the entries it got last."""
+        self._processed.set()
+
+    def close(self) -> None:
+        """Wait for the thread to notice the stop flag."""
+        if self._thread is not None:
+            self._thread.join(timeout=30)
