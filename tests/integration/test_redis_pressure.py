@@ -110,9 +110,11 @@ def on(settings: Settings, url: str, **consumer: object) -> Settings:
     )
 
 
-def jobs(n: int, prefix: str = "j") -> list[TeacherRequest]:
+def jobs(n: int, prefix: str = "j", length: int = 4) -> list[TeacherRequest]:
     return [
-        TeacherRequest(input_ids=[1 + i % 50, 2, 3, 4 + i % 300], top_k=2, job_id=f"{prefix}-{i}")
+        TeacherRequest(
+            input_ids=[(i * 7 + j) % 500 for j in range(length)], top_k=2, job_id=f"{prefix}-{i}"
+        )
         for i in range(n)
     ]
 
@@ -332,16 +334,20 @@ def test_full_redis_turns_no_good_work_into_failures(small_redis, settings, star
     s = on(settings, small_redis.url, visibility_timeout_s=1.5, max_deliveries=2)
     client = TeacherClient(s)
     procs = [start_consumer(s), start_consumer(s)]
-    ids = client.submit(jobs(40, "full"))
+    ids = client.submit(jobs(150, "full", length=40))
     client.wait(ids[:4], timeout=60)
     small_redis.fill()
-    time.sleep(6.0)  # four visibility timeouts, twenty heartbeats
+    unfinished = sum(res is None for res in client.results(ids))
+    assert unfinished >= 20, "Redis filled while the consumers were working"
+    time.sleep(5.0)  # three visibility timeouts, fifteen heartbeats
+    small_redis.fill()  # top up what acknowledgements and trimming freed meanwhile
+    time.sleep(1.0)
     assert all(p.poll() is None for p in procs)
-    status = client.status()
-    assert sum(c["alive"] for c in status["consumers"].values()) == 2, "alive while full"
-    assert all(c.get("paused") for c in status["consumers"].values())
+    beats = client.status()["consumers"]
+    assert sum(c["alive"] for c in beats.values()) == 2, f"alive while full: {beats}"
+    assert all(c.get("paused") for c in beats.values()), beats
     small_redis.free()
-    results = client.wait(ids, timeout=120)
+    results = client.wait(ids, timeout=180)
     assert all(res.ok for res in results), [res.error for res in results if not res.ok][:3]
     assert small_redis.r.xlen(keys.dead_stream(s.queue.name)) == 0
     assert _log_events(procs, "job.dead_lettered") == 0
