@@ -384,3 +384,64 @@ def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consume
     assert len(names) == 1 and names == beats, (names, beats)
     assert _log_events([survivor], "consumer.pruned") >= 1
     assert r.xpending(stream, group)["pending"] == 0
+
+
+def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
+    """An entry idle past the visibility timeout is taken over; if its owner is alive by its
+    heartbeat (so only its refresh failed), the takeover keeps the delivery count; from an
+    owner without a live heartbeat it counts one more delivery."""
+    from consumer.claims import Claimer
+
+    streams = Streams(r, settings.queue.name)
+    streams.ensure_group()
+    beats = keys.consumers_key(settings.queue.name)
+    ids = [r.xadd(streams.jobs, {"n_tokens": 4, "x": i}) for i in range(2)]
+    r.xreadgroup(streams.group, "live", {streams.jobs: ">"}, count=1)
+    r.xreadgroup(streams.group, "gone", {streams.jobs: ">"}, count=1)
+    now = time.time()
+    r.hset(beats, "live", json.dumps({"state": "busy", "time": now}))
+    r.hset(beats, "gone", json.dumps({"state": "busy", "time": now}))
+    time.sleep(0.6)  # both entries idle past the 0.5 s visibility timeout
+    r.hset(beats, "live", json.dumps({"state": "busy", "time": time.time()}))
+    taker = Claimer(streams, "taker", visibility_timeout_s=0.5, block_ms=10,
+                    heartbeat_interval_s=60.0, dead_after_beats=3)  # fmt: skip
+    taker._next_scan = float("inf")  # only the visibility-timeout path in this test
+    got = taker.next_entries(1) + taker.next_entries(1)
+    assert sorted(eid for eid, _ in got) == sorted(ids)
+    counts = taker.delivery_counts(ids)
+    assert counts[ids[0]] == 1, "taken from a live owner: no delivery counted"
+    assert counts[ids[1]] == 1, "the heartbeat of 'gone' is fresh too (60 s intervals)"
+    r.xack(streams.jobs, streams.group, ids[0])
+    # Now 'gone' is silent past 3 intervals of 0.1 s: dead.
+    r.hset(beats, "gone", json.dumps({"state": "busy", "time": time.time() - 10}))
+    r.xclaim(streams.jobs, streams.group, "gone", min_idle_time=0, message_ids=[ids[1]],
+             justid=True)  # fmt: skip
+    time.sleep(0.6)
+    taker2 = Claimer(streams, "taker2", visibility_timeout_s=0.5, block_ms=10,
+                     heartbeat_interval_s=0.1, dead_after_beats=3)  # fmt: skip
+    got = taker2.next_entries(1)
+    assert [eid for eid, _ in got] == [ids[1]]
+    assert taker2.delivery_counts([ids[1]])[ids[1]] == 2, "its owner died: one more delivery"
+    assert taker2.stats.reclaimed_from_dead == 1
+
+
+def test_sigterm_while_results_wait_for_room(small_redis, settings, start_consumer) -> None:
+    """A consumer whose results are refused (Redis full) exits on SIGTERM within its stop
+    grace, leaving those entries pending; once Redis has room another consumer finishes
+    them: every job succeeds, none is dead-lettered."""
+    s = on(settings, small_redis.url, stop_grace_s=2.0)
+    client = TeacherClient(s)
+    proc = start_consumer(s)
+    ids = client.submit(jobs(150, "term", length=40))
+    client.wait(ids[:4], timeout=60)
+    small_redis.fill()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10
+    small_redis.free()
+    start_consumer(s)
+    results = client.wait(ids, timeout=180)
+    assert all(res.ok for res in results)
+    assert small_redis.r.xlen(keys.dead_stream(s.queue.name)) == 0
