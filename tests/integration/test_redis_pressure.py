@@ -326,34 +326,80 @@ def _log_events(procs, event: str) -> int:
     return sum(p.log_path.read_text().count(f'"{event}"') for p in procs)
 
 
-def test_full_redis_turns_no_good_work_into_failures(small_redis, settings, start_consumer):
-    """Two consumers work while Redis fills to maxmemory and stays full for several visibility
-    timeouts, then is freed: every job succeeds, none is dead-lettered, none is computed twice
-    (their entries stay refreshed, nobody takes them over), and both consumers paused while
-    full and resumed after."""
+def full_redis_run(
+    small_redis: SmallRedis,
+    settings: Settings,
+    start_consumer,
+    *,
+    n_jobs: int,
+    full_s: float,
+    cycles: int = 1,
+) -> dict:
+    """Two consumers work while Redis fills to maxmemory and stays full `full_s` seconds, then
+    is freed, `cycles` times; asserts the invariants and returns the run's figures."""
     s = on(settings, small_redis.url, visibility_timeout_s=1.5, max_deliveries=2)
     client = TeacherClient(s)
     procs = [start_consumer(s), start_consumer(s)]
-    ids = client.submit(jobs(150, "full", length=40))
+    t0 = time.monotonic()
+    ids = client.submit(jobs(n_jobs, "full", length=40))
     client.wait(ids[:4], timeout=60)
-    small_redis.fill()
-    unfinished = sum(res is None for res in client.results(ids))
-    assert unfinished >= 20, "Redis filled while the consumers were working"
-    time.sleep(5.0)  # three visibility timeouts, fifteen heartbeats
-    small_redis.fill()  # top up what acknowledgements and trimming freed meanwhile
-    time.sleep(1.0)
-    assert all(p.poll() is None for p in procs)
-    beats = client.status()["consumers"]
-    assert sum(c["alive"] for c in beats.values()) == 2, f"alive while full: {beats}"
-    assert all(c.get("paused") for c in beats.values()), beats
-    small_redis.free()
-    results = client.wait(ids, timeout=180)
+    unfinished = []
+    for _ in range(cycles):
+        small_redis.fill()
+        unfinished.append(sum(res is None for res in client.results(ids)))
+        deadline = time.monotonic() + full_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            small_redis.fill()  # top up what acknowledgements and trimming freed meanwhile
+        assert all(p.poll() is None for p in procs)
+        beats = client.status()["consumers"]
+        assert sum(c["alive"] for c in beats.values()) == 2, f"alive while full: {beats}"
+        assert all(c.get("paused") for c in beats.values()), beats
+        small_redis.free()
+        time.sleep(1.0)
+    assert unfinished[0] >= 20, "Redis filled while the consumers were working"
+    results = client.wait(ids, timeout=600)
     assert all(res.ok for res in results), [res.error for res in results if not res.ok][:3]
     assert small_redis.r.xlen(keys.dead_stream(s.queue.name)) == 0
     assert _log_events(procs, "job.dead_lettered") == 0
-    assert _computed_jobs(procs) == len(ids), "no job computed twice"
-    assert _log_events(procs, "consumer.paused") >= 1
-    assert _log_events(procs, "consumer.resumed") >= 1
+    computed = _computed_jobs(procs)
+    assert computed == len(ids), "no job computed twice"
+    assert _log_events(procs, "consumer.paused") >= cycles
+    assert _log_events(procs, "consumer.resumed") >= cycles
+    return {
+        "jobs": len(ids),
+        "unfinished_when_full": unfinished,
+        "full_s": full_s,
+        "cycles": cycles,
+        "computed": computed,
+        "reclaims": _log_events(procs, "claim.reclaimed"),
+        "dead_letters": 0,
+        "pauses": _log_events(procs, "consumer.paused"),
+        "store_retries": _log_events(procs, "store.retry"),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def test_full_redis_turns_no_good_work_into_failures(
+    small_redis, settings, start_consumer, record_property
+) -> None:
+    """Two consumers work while Redis fills to maxmemory and stays full for several visibility
+    timeouts, then is freed: every job succeeds, none is dead-lettered, none is computed twice
+    (their entries stay refreshed, nobody takes them over), and both consumers stay alive,
+    paused while full and resumed after."""
+    figures = full_redis_run(small_redis, settings, start_consumer, n_jobs=150, full_s=5.0)
+    record_property("figures", json.dumps(figures))
+
+
+@pytest.mark.slow
+def test_full_redis_repeatedly_for_long(
+    small_redis, settings, start_consumer, record_property
+) -> None:
+    """The same, with three cycles of 20 s at maxmemory (over 13 visibility timeouts each)."""
+    figures = full_redis_run(
+        small_redis, settings, start_consumer, n_jobs=600, full_s=20.0, cycles=3
+    )
+    record_property("figures", json.dumps(figures))
 
 
 def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consumer, r) -> None:
