@@ -182,7 +182,10 @@ class ResultWriter:
                     return False
                 log.warning("store.retry", job_id=task.result.job_id, error=str(exc), delay_s=delay)
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                # A refusal for memory costs Redis one rejected call: retry at least every
+                # second, so the write (and the consumer's pause) ends soon after room appears.
+                oom = isinstance(exc, redis.exceptions.OutOfMemoryError)
+                delay = min(delay * 2, 1.0 if oom else 5.0)
 
     def _write(self, task: WriteTask) -> bool:
         job_id = task.result.job_id

@@ -381,25 +381,23 @@ def full_redis_run(
 
 
 def test_full_redis_turns_no_good_work_into_failures(
-    small_redis, settings, start_consumer, record_property
+    small_redis, settings, start_consumer, request
 ) -> None:
     """Two consumers work while Redis fills to maxmemory and stays full for several visibility
     timeouts, then is freed: every job succeeds, none is dead-lettered, none is computed twice
     (their entries stay refreshed, nobody takes them over), and both consumers stay alive,
     paused while full and resumed after."""
     figures = full_redis_run(small_redis, settings, start_consumer, n_jobs=150, full_s=5.0)
-    record_property("figures", json.dumps(figures))
+    request.node.user_properties.append(("figures", json.dumps(figures)))
 
 
 @pytest.mark.slow
-def test_full_redis_repeatedly_for_long(
-    small_redis, settings, start_consumer, record_property
-) -> None:
+def test_full_redis_repeatedly_for_long(small_redis, settings, start_consumer, request) -> None:
     """The same, with three cycles of 20 s at maxmemory (over 13 visibility timeouts each)."""
     figures = full_redis_run(
         small_redis, settings, start_consumer, n_jobs=600, full_s=20.0, cycles=3
     )
-    record_property("figures", json.dumps(figures))
+    request.node.user_properties.append(("figures", json.dumps(figures)))
 
 
 def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consumer, r) -> None:
