@@ -23,7 +23,7 @@ from consumer.failures import DeadLetters
 from consumer.faults import FaultInjector
 from consumer.heartbeat import Heartbeat
 from consumer.metrics import ConsumerMetrics
-from consumer.replica import Counters, Served
+from consumer.replica import Counters, LoadedModel
 from consumer.writer import ResultWriter, WriteTask
 from shared.keys import THROUGHPUT_MAXLEN, throughput_stream
 from shared.messages import Job, TeacherResult
@@ -55,7 +55,7 @@ class BatchRunner:
     def __init__(
         self,
         *,
-        served: Served,
+        loaded: LoadedModel,
         client: redis.Redis,
         streams: Streams,
         writer: ResultWriter,
@@ -67,7 +67,7 @@ class BatchRunner:
         max_deliveries: int,
         consumer: str,
     ) -> None:
-        self.served = served
+        self.loaded = loaded
         self.r = client
         self.streams = streams
         self.writer = writer
@@ -88,7 +88,7 @@ class BatchRunner:
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
-        return self.served.scorer.layout.tp_group
+        return self.loaded.scorer.layout.tp_group
 
     def score_and_store(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
@@ -130,11 +130,11 @@ class BatchRunner:
             packed = b.elapsed()
             b.child("pack", start_s=0.0, end_s=packed)
             b.set(tokens=batch.num_tokens)
-            broadcast_batch(batch, src=self.served.scorer.layout.leader_rank, group=self._group)
+            broadcast_batch(batch, src=self.loaded.scorer.layout.leader_rank, group=self._group)
             sent = b.elapsed()
             b.child("broadcast", start_s=packed, end_s=sent)
             self.faults.reached("compute")
-            finish = launch_agreed(self.served.scorer, batch, self.faults)
+            finish = launch_agreed(self.loaded.scorer, batch, self.faults)
         except Exception as exc:  # noqa: BLE001 - loop boundary: a batch failure must not kill us
             end_span(b, exc)
             self._batch_failed(
@@ -200,8 +200,8 @@ class BatchRunner:
         """Hand one job's result to the background writers."""
         result = TeacherResult(
             job_id=job.job_id,
-            model_version=self.served.version,
-            model_generation=self.served.generation,
+            model_version=self.loaded.version,
+            model_generation=self.loaded.generation,
             metadata=job.request.metadata,
             timings={
                 "queue_wait_ms": round(max(0.0, claimed_at - job.submitted_at) * 1000, 3),
@@ -299,7 +299,7 @@ class BatchRunner:
     ) -> None:
         """Each job's pack / forward / head spans, in its own trace, at the batch's times
         (the leader's clock), with the batch id that leads to the batch's trace."""
-        lead = phases[self.served.scorer.layout.tp_rank]
+        lead = phases[self.loaded.scorer.layout.tp_rank]
         t = b.start_wall
         forward_end = t + sent + lead[2 * PHASES.index("forward") + 1]
         head_end = t + sent + max(lead)  # head and d2h

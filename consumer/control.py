@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from consumer.batching import RELOAD, SLEEP, WAKE, broadcast_header, broadcast_text
 from consumer.heartbeat import Heartbeat
-from consumer.replica import Served
+from consumer.replica import LoadedModel
 from consumer.scoring import Scorer
 from consumer.writer import ResultWriter
 from shared import keys, weights
@@ -40,7 +40,7 @@ class Control:
         client: redis.Redis,
         queue: str,
         consumer: str,
-        served: Served,
+        loaded: LoadedModel,
         heartbeat: Heartbeat,
         writer: ResultWriter,
         finish_inflight: Callable[[], None],
@@ -51,7 +51,7 @@ class Control:
         self.r = client
         self.queue = queue
         self.consumer = consumer
-        self.served = served
+        self.loaded = loaded
         self.heartbeat = heartbeat
         self.writer = writer
         self.finish_inflight = finish_inflight
@@ -62,15 +62,15 @@ class Control:
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
-        return self.served.scorer.layout.tp_group
+        return self.loaded.scorer.layout.tp_group
 
     def publish_model(self) -> None:
         """Record the vocabulary size and version this queue is served with (for clients)."""
         self.r.hset(
             keys.model_key(self.queue),
             mapping={
-                "vocab_size": self.served.scorer.spec.vocab_size,
-                "version": self.served.version,
+                "vocab_size": self.loaded.scorer.spec.vocab_size,
+                "version": self.loaded.version,
             },
         )
 
@@ -86,7 +86,7 @@ class Control:
                 self.cursor = entry_id.decode()
                 if fields.get(b"cmd") == b"update-weights":
                     gen = int(fields[b"generation"])
-                    if gen > self.served.generation:
+                    if gen > self.loaded.generation:
                         newest = (fields[b"path"].decode(), gen)
         if newest:
             self.update_weights(*newest)
@@ -101,11 +101,11 @@ class Control:
         self.writer.flush()  # results computed with the old weights are stored as such
         was_asleep = self.asleep
         self.wake()
-        layout = self.served.scorer.layout
+        layout = self.loaded.scorer.layout
         broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
         broadcast_text(path, src=layout.leader_rank, group=self._group)
-        self.served.scorer, self.served.version = self.reload(path)
-        self.served.generation = generation
+        self.loaded.scorer, self.loaded.version = self.reload(path)
+        self.loaded.generation = generation
         self.publish_model()
         if was_asleep:
             self.sleep()
@@ -117,7 +117,7 @@ class Control:
         )
         log.info(
             "weights.updated",
-            model_version=self.served.version,
+            model_version=self.loaded.version,
             generation=generation,
             completed_update=done,
         )
@@ -135,8 +135,8 @@ class Control:
     def sleep(self) -> None:
         """Offload the weights on every rank of the group."""
         self.finish_inflight()
-        broadcast_header(SLEEP, src=self.served.scorer.layout.leader_rank, group=self._group)
-        self.served.scorer.offload()
+        broadcast_header(SLEEP, src=self.loaded.scorer.layout.leader_rank, group=self._group)
+        self.loaded.scorer.offload()
         self.asleep = True
         self.heartbeat.state = "sleeping"
         log.info("consumer.sleeping")
@@ -145,7 +145,7 @@ class Control:
         """Take the weights back on every rank (a no-op when awake)."""
         if not self.asleep:
             return
-        broadcast_header(WAKE, src=self.served.scorer.layout.leader_rank, group=self._group)
-        self.served.scorer.onload()
+        broadcast_header(WAKE, src=self.loaded.scorer.layout.leader_rank, group=self._group)
+        self.loaded.scorer.onload()
         self.asleep = False
         log.info("consumer.awake")

@@ -1,14 +1,17 @@
-"""Failing for good, on the consumer side: a job that must not, or can no longer, be computed."""
+"""Failing for good, on the consumer side: a job that must not, or can no longer, be computed.
+
+The record itself (`DeadLetter`) and its replay live in shared/deadletter.py; here the
+consumer writes it together with the job's failed result, so that waiters get the error.
+"""
 
 from __future__ import annotations
-
-import time
 
 import structlog
 
 from consumer.metrics import ConsumerMetrics
-from consumer.replica import Served
+from consumer.replica import LoadedModel
 from consumer.writer import ResultWriter, WriteTask
+from shared.deadletter import DeadLetter
 from shared.messages import TeacherResult, entry_tokens
 
 log = structlog.get_logger("teacherq.consumer")
@@ -18,11 +21,11 @@ class DeadLetters:
     """Moves entries to the dead-letter stream and gives their waiters the error."""
 
     def __init__(
-        self, *, writer: ResultWriter, metrics: ConsumerMetrics, served: Served, consumer: str
+        self, *, writer: ResultWriter, metrics: ConsumerMetrics, loaded: LoadedModel, consumer: str
     ) -> None:
         self.writer = writer
         self.metrics = metrics
-        self.served = served
+        self.loaded = loaded
         self.consumer = consumer
 
     def send(
@@ -40,31 +43,24 @@ class DeadLetters:
 
         `deliveries` is how often the entry was delivered; `attempts` how often it was
         actually computed (0 for invalid input)."""
-        raw_id = fields.get(b"job_id", b"")
-        try:
-            job_id = raw_id.decode() or f"entry-{entry_id}"
-        except UnicodeDecodeError:
-            job_id = f"entry-{entry_id}"
-        dead = {
-            "job_id": job_id,
-            "entry_id": entry_id,
-            "reason": reason,
-            "exception": exc_type,
-            "deliveries": deliveries,
-            "attempts": attempts,
-            "consumer": self.consumer,
-            "time": time.time(),
-        }
-        for k, v in fields.items():  # the original payload, field by field
-            dead[f"orig:{k.decode(errors='replace')}"] = v
-        result = TeacherResult(job_id=job_id, model_version=self.served.version, error=reason)
+        letter = DeadLetter.for_entry(
+            entry_id,
+            fields,
+            reason=reason,
+            exception=exc_type,
+            deliveries=deliveries,
+            attempts=attempts,
+            consumer=self.consumer,
+        )
+        job_id = letter.job_id
+        result = TeacherResult(job_id=job_id, model_version=self.loaded.version, error=reason)
         wrote = self.writer.write_now(
             WriteTask(
                 result=result,
                 entry_id=entry_id,
                 tokens=entry_tokens(fields),
                 status="failed",
-                dead_letter=dead,
+                dead_letter=letter,
             )
         )
         if not wrote:

@@ -15,7 +15,7 @@ import structlog
 from consumer.failures import DeadLetters
 from consumer.heartbeat import Heartbeat
 from consumer.metrics import ConsumerMetrics
-from consumer.replica import Counters, Served
+from consumer.replica import Counters, LoadedModel
 from consumer.writer import ResultWriter
 from shared import keys
 from shared.errors import InvalidJob
@@ -38,7 +38,7 @@ class Intake:
         metrics: ConsumerMetrics,
         counters: Counters,
         dead_letters: DeadLetters,
-        served: Served,
+        loaded: LoadedModel,
         limits: Limits,
         max_deliveries: int,
         consumer: str,
@@ -51,7 +51,7 @@ class Intake:
         self.metrics = metrics
         self.counters = counters
         self.dead_letters = dead_letters
-        self.served = served
+        self.loaded = loaded
         self.limits = limits
         self.max_deliveries = max_deliveries
         self.consumer = consumer
@@ -97,7 +97,7 @@ class Intake:
                     attempts=count - 1,
                 )
                 continue
-            if (job.request.min_model_generation or 0) > self.served.generation:
+            if (job.request.min_model_generation or 0) > self.loaded.generation:
                 self._leave_for_newer(job)
                 continue
             self._claimed(job, read0=read0, read1=read1, deliveries=count)
@@ -178,6 +178,6 @@ class Intake:
             "job.left_for_newer",
             job_id=job.job_id,
             wants=job.request.min_model_generation,
-            serving=self.served.generation,
+            serving=self.loaded.generation,
         )
         time.sleep(0.1)  # don't spin on a job no live replica can take yet

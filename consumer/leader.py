@@ -42,7 +42,7 @@ from consumer.prefetch import Prefetcher
 from consumer.prefix import plan_shared_microbatches
 from consumer.preflight import check_redis
 from consumer.pressure import MemoryWatch
-from consumer.replica import Counters, Served
+from consumer.replica import Counters, LoadedModel
 from consumer.retention import Janitor
 from consumer.scoring import Scorer
 from consumer.stop import StopFlag
@@ -80,7 +80,7 @@ class Leader:
         self.stop = stop
         self.faults = faults
         self.queue = settings.queue.name
-        self.served = Served(scorer=scorer, version=model_version, generation=generation)
+        self.loaded = LoadedModel(scorer=scorer, version=model_version, generation=generation)
         self.counters = Counters()
         self.streams = Streams(client, self.queue, settings.queue.group)
         self.name = c.name or f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
@@ -127,7 +127,7 @@ class Leader:
             busy_max_s=c.job_timeout_s,
         )
         self.dead_letters = DeadLetters(
-            writer=self.writer, metrics=self.metrics, served=self.served, consumer=self.name
+            writer=self.writer, metrics=self.metrics, loaded=self.loaded, consumer=self.name
         )
         limits = Limits(
             max_input_tokens=settings.queue.max_input_tokens,
@@ -143,14 +143,14 @@ class Leader:
             metrics=self.metrics,
             counters=self.counters,
             dead_letters=self.dead_letters,
-            served=self.served,
+            loaded=self.loaded,
             limits=limits,
             max_deliveries=c.max_deliveries,
             consumer=self.name,
             writer=self.writer,
         )
         self.runner = BatchRunner(
-            served=self.served,
+            loaded=self.loaded,
             client=client,
             streams=self.streams,
             writer=self.writer,
@@ -167,7 +167,7 @@ class Leader:
             client=client,
             queue=self.queue,
             consumer=self.name,
-            served=self.served,
+            loaded=self.loaded,
             heartbeat=self.heartbeat,
             writer=self.writer,
             finish_inflight=self.runner.finish_inflight,
@@ -181,9 +181,9 @@ class Leader:
     def _describe(self) -> dict:
         c = self.counters
         return {
-            "model_version": self.served.version,
-            "model_generation": self.served.generation,
-            "layout": self.served.scorer.layout.describe(),
+            "model_version": self.loaded.version,
+            "model_generation": self.loaded.generation,
+            "layout": self.loaded.scorer.layout.describe(),
             "jobs_done": c.jobs_done,
             "jobs_failed": c.jobs_failed,
             "tokens": c.tokens,
@@ -200,10 +200,10 @@ class Leader:
         self._publish_model()
         self.heartbeat.start()
         self.heartbeat.state = "ready"
-        log.info("consumer.ready", consumer=self.name, model_version=self.served.version)
+        log.info("consumer.ready", consumer=self.name, model_version=self.loaded.version)
         if self.c.metrics_port:
             # One port per data-parallel replica of a launch, so leaders never clash.
-            self.metrics.serve(self.c.metrics_port + self.served.scorer.layout.dp_rank)
+            self.metrics.serve(self.c.metrics_port + self.loaded.scorer.layout.dp_rank)
         self.metrics.tick("ready")
         fetcher = Prefetcher(
             self._fetch,
@@ -217,7 +217,7 @@ class Leader:
             self.heartbeat.state = "draining"
             fetcher.close()
             self.writer.close()
-            layout = self.served.scorer.layout
+            layout = self.loaded.scorer.layout
             broadcast_batch(None, src=layout.leader_rank, group=layout.tp_group)
             self.heartbeat.stop("stopped")
             self.metrics.tick("stopped")

@@ -8,7 +8,7 @@ from consumer.scoring import Scorer
 
 
 @dataclass
-class Served:
+class LoadedModel:
     """The model this replica serves now; a weight update (consumer/control.py) replaces all
     three together, and every part reads them from here at use."""
 

@@ -162,7 +162,7 @@ def run(settings: Settings) -> int:
             generation=served.generation,
             control_cursor=control_cursor,
         )
-        from shared.spans import install_sink
+        from shared.trace_store import install_sink
 
         sink = install_sink(
             client,

@@ -26,6 +26,7 @@ import redis
 import structlog
 
 from consumer.faults import FaultInjector
+from shared.deadletter import DeadLetter
 from shared.messages import TeacherResult
 from shared.results import encode_record
 from shared.storage import ObjectStore, TransientStorageError
@@ -43,7 +44,7 @@ class WriteTask:
     entry_id: str
     tokens: int
     status: str = "ok"
-    dead_letter: dict | None = None
+    dead_letter: DeadLetter | None = None
     trace: dict | None = None
     batch_id: str = ""
 

@@ -36,7 +36,7 @@ def _setup_logging(settings: Settings) -> None:
 
 def _client(settings: Settings):
     from producer.client import TeacherClient
-    from shared.spans import install_sink
+    from shared.trace_store import install_sink
 
     client = TeacherClient(settings)
     # The CLI's own spans (submit) go to Redis too, so `teacherq trace` shows the whole tree.
@@ -172,8 +172,8 @@ def replay(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """Move dead-lettered jobs back onto the jobs stream (dry-run first)."""
-    from producer.replay import parse_since
-    from producer.replay import replay as do_replay
+    from producer.dead_letter_replay import parse_since
+    from producer.dead_letter_replay import replay as do_replay
 
     settings = _settings()
     if queue:
@@ -193,7 +193,9 @@ def replay(
         for d in decisions:
             typer.echo(json.dumps(d.to_json()))
         return
-    table = Table(title=f"replay{' (dry run)' if dry_run else ''}: {len(decisions)} dead letters")
+    table = Table(
+        title=f"replay{' (dry run)' if dry_run else ''}: {len(decisions)} dead-lettered jobs"
+    )
     for col in ("job id", "dead-lettered because", "action"):
         table.add_column(col)
     for d in decisions:

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from producer.replay import parse_since
+from producer.dead_letter_replay import parse_since
 from shared.settings import Settings, SettingsError, load_settings
 
 out = Console()
@@ -24,7 +24,8 @@ EXIT_NOT_FOUND = 3  # like `teacherq results` for unfinished jobs
 
 
 def parse_time(text: str, *, now: float | None = None) -> float:
-    """`producer.replay.parse_since` for a typer option: a bad value is a usage error."""
+    """`parse_since` (producer/dead_letter_replay.py) for a typer option: a bad value is a
+    usage error."""
     try:
         return parse_since(text, now=now)
     except ValueError as exc:
@@ -66,7 +67,7 @@ def trace(
         to_chrome,
         to_html,
     )
-    from shared.spans import TraceStore
+    from shared.trace_store import TraceStore
 
     chosen = [x for x in (job_id, batch, since) if x is not None]
     if len(chosen) != 1:

@@ -22,7 +22,7 @@ from producer.client import TeacherClient
 from shared.messages import TeacherRequest
 from shared.redis_server import ensure_embedded, stop_embedded
 from shared.settings import Settings
-from shared.spans import install_sink
+from shared.trace_store import install_sink
 
 
 @dataclass

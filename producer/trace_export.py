@@ -10,15 +10,18 @@ they rode in.
 
 from __future__ import annotations
 
+import functools
 import html
+import importlib.resources
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.text import Text
 from rich.tree import Tree
 
-from shared.spans import TraceStore
+from shared.trace_store import TraceStore
 from shared.tracing import SpanRecord
 
 
@@ -455,175 +458,18 @@ def timeline_data(view: TraceView) -> dict[str, Any]:
     }
 
 
-_CSS = """
-body { font: 13px system-ui, sans-serif; margin: 16px; color: #222; background: #fff; }
-h1 { font-size: 16px; margin: 0 0 4px; }
-#summary { color: #666; margin-bottom: 10px; }
-#legend span { display: inline-block; margin-right: 12px; }
-#legend i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
-#timeline { position: relative; border-top: 1px solid #ccc; }
-.axis { position: relative; height: 20px; margin-left: 220px; border-bottom: 1px solid #ccc; }
-.tick { position: absolute; top: 0; font-size: 11px; color: #666; border-left: 1px solid #ccc;
-        padding-left: 2px; height: 18px; }
-.row { display: flex; border-bottom: 1px solid #eee; }
-.label { width: 216px; padding: 4px 4px 0 0; overflow: hidden; text-overflow: ellipsis;
-         white-space: nowrap; font-family: monospace; font-size: 12px; }
-.row.batch .label { font-weight: bold; }
-.track { position: relative; flex: 1; overflow: hidden; }
-.bar { position: absolute; height: 14px; min-width: 2px; border-radius: 2px; opacity: .9;
-       font-size: 10px; line-height: 14px; color: #fff; overflow: hidden; white-space: nowrap;
-       box-sizing: border-box; padding-left: 2px; cursor: default; }
-.bar.error { outline: 2px solid #d00; }
-.bar:hover { opacity: 1; outline: 1px solid #000; }
-#tip { position: fixed; display: none; background: #222; color: #eee; padding: 6px 8px;
-       border-radius: 4px; font: 12px monospace; white-space: pre; pointer-events: none;
-       max-width: 600px; z-index: 10; }
-#errors { color: #d00; white-space: pre; }
-"""
+_PAGE_PARTS = re.compile(r"@(TITLE|CSS|DATA|JS)@")
 
-_JS = """
-(function () {
-  const data = JSON.parse(document.getElementById('trace-data').textContent);
-  const LANE = 18, PAD = 4;
-  const known = {submit: '#4e79a7', queue_wait: '#bab0ac', claim: '#f28e2b', pack: '#edc948',
-    forward: '#e15759', head: '#b07aa1', store: '#59a14f', ack: '#76b7b2', batch: '#9c755f',
-    h2d: '#ff9da7', d2h: '#ff9da7'};
-  function color(name) {
-    if (known[name]) return known[name];
-    let h = 0;
-    for (const c of name) h = (h * 31 + c.charCodeAt(0)) % 360;
-    return 'hsl(' + h + ',55%,50%)';
-  }
-  function fmt(ms) { return ms >= 1000 ? (ms / 1000).toFixed(3) + ' s' : ms.toFixed(3) + ' ms'; }
-  function tickText(ms, step) {
-    const unit = step >= 1000 ? 1000 : 1;
-    const digits = Math.max(0, -Math.floor(Math.log10(step / unit) + 1e-9));
-    return (ms / unit).toFixed(digits) + (unit === 1000 ? ' s' : ' ms');
-  }
-  const total = Math.max(data.total_ms, 0.001);
-  let lo = 0, hi = total;
-  const zoom = /zoom=([0-9.]+),([0-9.]+)/.exec(location.hash);
-  if (zoom && +zoom[2] > +zoom[1]) { lo = +zoom[1]; hi = +zoom[2]; }
-  document.getElementById('title').textContent = 'teacherq trace: ' + data.title;
-  const tl = document.getElementById('timeline');
-  const axis = document.createElement('div');
-  axis.className = 'axis';
-  tl.appendChild(axis);
-  const tip = document.getElementById('tip');
-  const names = new Set();
-  const bars = [];
-  for (const row of data.rows) {
-    const div = document.createElement('div');
-    div.className = 'row ' + row.kind;
-    const label = document.createElement('div');
-    label.className = 'label';
-    label.textContent = row.label;
-    label.title = row.label;
-    const track = document.createElement('div');
-    track.className = 'track';
-    let lanes = 1;
-    for (const s of row.spans) {
-      names.add(s.name);
-      lanes = Math.max(lanes, s.lane + 1);
-      const bar = document.createElement('div');
-      bar.className = 'bar' + (s.error ? ' error' : '');
-      bar.dataset.span = s.id;
-      bar.dataset.name = s.name;
-      bar.style.top = (PAD / 2 + s.lane * LANE) + 'px';
-      bar.style.background = color(s.name);
-      bar.textContent = s.name;
-      const lines = [s.name + '  ' + fmt(s.dur_ms) + '  @+' + fmt(s.start_ms), s.proc];
-      for (const [k, v] of Object.entries(s.attrs)) lines.push(k + ' = ' + JSON.stringify(v));
-      if (s.error) lines.push('ERROR ' + s.error);
-      lines.push('(click: zoom to this span)');
-      bar.title = lines.join('\\n');
-      bar.addEventListener('mousemove', ev => {
-        tip.textContent = lines.join('\\n');
-        tip.style.display = 'block';
-        tip.style.left = (ev.clientX + 12) + 'px';
-        tip.style.top = (ev.clientY + 12) + 'px';
-      });
-      bar.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
-      bar.addEventListener('click', () => {
-        const pad = Math.max(s.dur_ms * 0.05, 0.001);
-        setRange(s.start_ms - pad, s.start_ms + s.dur_ms + pad);
-      });
-      track.appendChild(bar);
-      bars.push([bar, s]);
-    }
-    track.style.height = (lanes * LANE + PAD) + 'px';
-    div.appendChild(label);
-    div.appendChild(track);
-    tl.appendChild(div);
-  }
-  function draw() {
-    const width = hi - lo;
-    axis.textContent = '';
-    const step0 = Math.pow(10, Math.floor(Math.log10(width / 5)));
-    const step = [1, 2, 5, 10].map(m => m * step0).find(x => width / x <= 10) || step0 * 10;
-    for (let t = Math.ceil(lo / step) * step; t <= hi; t += step) {
-      const x = (t - lo) / width;
-      if (x > 0.95) break;  // the label would run off the page
-      const tick = document.createElement('div');
-      tick.className = 'tick';
-      tick.style.left = (100 * x) + '%';
-      tick.textContent = tickText(t, step);
-      axis.appendChild(tick);
-    }
-    for (const [bar, s] of bars) {
-      bar.style.left = (100 * (s.start_ms - lo) / width) + '%';
-      bar.style.width = (100 * s.dur_ms / width) + '%';
-    }
-    document.getElementById('reset').style.visibility =
-      lo > 0 || hi < total ? 'visible' : 'hidden';
-  }
-  function setRange(a, b) { lo = Math.max(0, a); hi = Math.min(total, b); draw(); }
-  document.getElementById('reset').addEventListener('click', () => setRange(0, total));
-  document.addEventListener('keydown', ev => { if (ev.key === 'Escape') setRange(0, total); });
-  draw();
-  const legend = document.getElementById('legend');
-  for (const n of names) {
-    const item = document.createElement('span');
-    const sw = document.createElement('i');
-    sw.style.background = color(n);
-    item.appendChild(sw);
-    item.appendChild(document.createTextNode(n));
-    legend.appendChild(item);
-  }
-  document.getElementById('summary').textContent =
-    data.rows.length + ' rows, ' + bars.length + ' spans, ' + fmt(total) + ' from ' +
-    new Date(data.t0_unix_s * 1000).toISOString() + '. Click a bar to zoom, Esc to reset.';
-  document.body.dataset.bars = String(bars.length);
-  document.body.dataset.rendered = '1';
-})();
-"""
 
-_PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>teacherq trace: {title}</title>
-<style>{css}</style>
-</head>
-<body>
-<h1 id="title">teacherq trace</h1>
-<div id="summary">rendering…</div>
-<div id="legend"></div>
-<button id="reset" style="visibility: hidden">reset zoom</button>
-<div id="errors"></div>
-<div id="timeline"></div>
-<div id="tip"></div>
-<script>
-window.addEventListener('error', function (e) {{
-  document.body.dataset.jsError = String(e.message);
-  document.getElementById('errors').textContent += 'script error: ' + e.message + '\\n';
-}});
-</script>
-<script id="trace-data" type="application/json">{data}</script>
-<script>{js}</script>
-</body>
-</html>
-"""
+@functools.cache
+def _page_files() -> tuple[str, str, str]:
+    """The page template, its stylesheet and its script (package data: producer/trace_page/)."""
+    folder = importlib.resources.files("producer") / "trace_page"
+
+    def read(name: str) -> str:
+        return (folder / name).read_text(encoding="utf-8")
+
+    return read("page.html"), read("page.css"), read("page.js")
 
 
 def to_html(view: TraceView) -> str:
@@ -631,4 +477,7 @@ def to_html(view: TraceView) -> str:
     a bar per span placed by time, children in lanes below their parents, details on hover."""
     # `</` would end the script element early; JSON allows `<\\/` for the same text.
     data = json.dumps(timeline_data(view), default=str).replace("</", "<\\/")
-    return _PAGE.format(title=html.escape(view.title), css=_CSS, js=_JS, data=data)
+    template, css, js = _page_files()
+    parts = {"TITLE": html.escape(view.title), "CSS": css, "DATA": data, "JS": js}
+    # One pass over the template: text put in is never searched for placeholders again.
+    return _PAGE_PARTS.sub(lambda m: parts[m.group(1)], template)

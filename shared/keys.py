@@ -113,7 +113,7 @@ SUBMITTED_TTL_S = 7 * 24 * 3600
 DONE_STREAM_MAXLEN = 100_000  # completion notices are advisory: results live in result_key
 
 
-# Traces and throughput (shared/spans.py, `teacherq trace` / `status`).
+# Traces and throughput (shared/trace_store.py, `teacherq trace` / `status`).
 TRACE_TTL_S = 3 * 24 * 3600  # traces are for diagnosis, not an archive
 TRACE_MAX_SPANS = 10_000  # per trace; the newest are kept
 THROUGHPUT_MAXLEN = 100_000  # batch completion notices kept for `teacherq status`

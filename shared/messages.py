@@ -281,7 +281,9 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
     def text(name: str) -> str:
         raw = fields.get(name.encode())
         if raw is None:
-            raise InvalidJob(f"stream entry has no {name!r} field; expected {sorted(_REQUIRED)}")
+            raise InvalidJob(
+                f"stream entry has no {name!r} field; expected {sorted(REQUIRED_FIELDS)}"
+            )
         try:
             return raw.decode()
         except UnicodeDecodeError:
@@ -332,7 +334,7 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
     )
 
 
-_REQUIRED = ("v", "job_id", "meta", "input_ids")
+REQUIRED_FIELDS = ("v", "job_id", "meta", "input_ids")  # of a job's stream entry
 
 
 # ---------------------------------------------------------------------------------------------

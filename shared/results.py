@@ -22,8 +22,7 @@ from safetensors.numpy import save as st_save
 
 from shared.codec import decode_array, encode_array
 from shared.messages import RESULT_ARRAYS, TeacherResult
-from shared.storage import ObjectStore, compute_checksum
-from shared.storage import result_key as object_key
+from shared.storage import ObjectStore, bulk_object_key, compute_checksum
 
 RECORD_VERSION = "1"
 
@@ -60,7 +59,7 @@ def encode_record(
         # Content-addressed: a recomputation that differs in the last bit (another batch
         # composition) writes its own object, so a record never points at another's bytes.
         digest = compute_checksum(blob)
-        key = f"{object_key(queue, result.job_id)}.{digest.split(':')[-1][:16]}"
+        key = f"{bulk_object_key(queue, result.job_id)}.{digest.split(':')[-1][:16]}"
         checksum = store.put_with_retry(key, blob)
         meta["object"] = {"key": key, "checksum": checksum, "bytes": len(blob)}
     else:

@@ -45,8 +45,8 @@ __all__ = [
     "ObjectStore",
     "StorageError",
     "TransientStorageError",
+    "bulk_object_key",
     "compute_checksum",
-    "result_key",
 ]
 
 # Payloads above this go up as multipart uploads: parts upload in parallel and a failed part
@@ -98,8 +98,9 @@ def _readable(text: str) -> str:
     return cleaned or "_"
 
 
-def result_key(queue: str, job_id: str) -> str:
-    """Return the deterministic object key under which the result of ``job_id`` is stored.
+def bulk_object_key(queue: str, job_id: str) -> str:
+    """Return the deterministic object-store key under which the bulk arrays of ``job_id`` are
+    stored (the Redis record of the result is `shared.keys.result_key`).
 
     Shape: ``results/<queue>/<2 hex>/<job id>.<32 hex>.tqa``. Queue and job id are sanitised
     for readability only; uniqueness comes from the sha256 of both (128 bits kept), because

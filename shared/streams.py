@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from shared import keys
+from shared.deadletter import DeadLetter
 
 # Reply shapes. redis-py types a reply as any of its RESP2 / RESP3, bytes / str forms;
 # teacherq's clients speak RESP2 and keep bytes (decode_responses=False), so these are the
@@ -174,7 +175,7 @@ class Streams:
         record: dict[str, Any],
         ttl_s: int,
         tokens: int = 0,
-        dead_letter: dict[str, Any] | None = None,
+        dead_letter: DeadLetter | None = None,
         client: redis.Redis | redis.client.Pipeline | None = None,
     ) -> bool:
         """Write the result record (first writer wins), announce, maybe dead-letter, XACK
@@ -186,7 +187,7 @@ class Streams:
         for k, v in record.items():
             flat += [k, v]
         argv += [len(flat), *flat]
-        for k, v in (dead_letter or {}).items():
+        for k, v in (dead_letter.to_fields() if dead_letter else {}).items():
             argv += [k, v]
         keys_ = [
             keys.result_key(self.queue, job_id), self.done, self.jobs, self.dead,

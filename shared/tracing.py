@@ -8,7 +8,7 @@ Phases measured inside one call can be attached afterwards as children with expl
 wall-clock times (a job's queue wait) are recorded with `record`.
 
 Every finished span becomes a record (a plain dict, see `SpanRecord`) handed to the span sink,
-if one is configured (`configure_sink`, once in `main()`); `shared.spans.RedisSpanSink` stores
+if one is configured (`configure_sink`, once in `main()`); `shared.trace_store.RedisSpanSink` stores
 them so `teacherq trace` can rebuild a job's tree from every process it crossed. This module
 knows nothing about Redis: a sink is any callable taking one record.
 

@@ -16,7 +16,7 @@ Every step is an rq job (JSON serializer, never pickle; never GPU work: rq forks
   records for anything the stream did not show) into per-row bitmaps; once every submitted row
   has a result it exports Parquet shards and `manifest.json` to the output (`exporting` ->
   `done`), otherwise it re-enqueues itself after its slice.
-- `replay_dataset` requeues the dataset's failed rq jobs and re-submits its dead letters.
+- `replay_dataset` requeues the dataset's failed rq jobs and replays its dead letters.
 
 Only one job works on a dataset at a time: each holds the dataset lease (a key with a short TTL
 that it refreshes) and waits for it if another holds it. A killed worker's job is found by rq
@@ -26,10 +26,10 @@ FailedJobRegistry for `replay_dataset`.
 
 Modules: `records` (the spec and record, ids, lookups), `io` (reading input rows), `lease` (the
 dataset lease), `track` (finished/failed bitmaps, rate and ETA, listing), `ingest`, `export`
-(finalize: wait for the rows, then Parquet shards and manifest), `submit`, `replay`, `worker`
+(finalize: wait for the rows, then Parquet shards and manifest), `submit`, `reopen`, `rq_plumbing`
 (rq queues, enqueueing, failure callback, the worker) and `jobs` (the rq entry points). rq finds
 the entry points and the failure callback by their names in this package
-(`producer.datasets.ingest_job`, see `worker.INGEST_JOB`), so keep them exported here.
+(`producer.datasets.ingest_job`, see `rq_plumbing.INGEST_JOB`), so keep them exported here.
 """
 
 from __future__ import annotations
@@ -71,7 +71,16 @@ from producer.datasets.records import (
     normalize_location,
     row_job_id,
 )
-from producer.datasets.replay import replay_dataset
+from producer.datasets.reopen import replay_dataset
+from producer.datasets.rq_plumbing import (
+    EXPORT_QUEUE,
+    INGEST_QUEUE,
+    DatasetWorker,
+    enqueue_step,
+    on_job_failure,
+    run_worker,
+    step_alive,
+)
 from producer.datasets.submit import Submitted, submit_dataset
 from producer.datasets.track import (
     RATE_SAMPLES,
@@ -81,15 +90,6 @@ from producer.datasets.track import (
     dataset_progress,
     estimate_eta,
     list_datasets,
-)
-from producer.datasets.worker import (
-    EXPORT_QUEUE,
-    INGEST_QUEUE,
-    DatasetWorker,
-    enqueue_step,
-    on_job_failure,
-    run_worker,
-    step_alive,
 )
 
 __all__ = [

@@ -19,8 +19,8 @@ from producer.client import TeacherClient
 from producer.datasets.io import object_store
 from producer.datasets.lease import Lease
 from producer.datasets.records import DatasetRecord, row_job_id
+from producer.datasets.rq_plumbing import continue_step
 from producer.datasets.track import RESULTS_CHUNK, SWEEP_INTERVAL_S, Tracker
-from producer.datasets.worker import continue_step
 from shared import keys
 from shared.messages import TeacherResult
 from shared.storage import StorageError

@@ -22,8 +22,8 @@ from producer.datasets.records import (
     RequestOptions,
     row_job_id,
 )
+from producer.datasets.rq_plumbing import continue_step, enqueue_step
 from producer.datasets.track import Tracker
-from producer.datasets.worker import continue_step, enqueue_step
 from shared import keys
 from shared.errors import InvalidJob
 from shared.messages import Limits, TeacherRequest, check_limits, parse_request

@@ -1,5 +1,5 @@
 """The rq entry points of dataset jobs. rq runs them in a forked work-horse and finds them by
-the dotted paths in `producer.datasets.worker` (the package's names, re-exported from here)."""
+the dotted paths in `producer.datasets.rq_plumbing` (the package's names, re-exported from here)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from producer.datasets.records import (
     load_record,
     normalize_location,
 )
-from producer.datasets.worker import enqueue_step, step_alive
+from producer.datasets.rq_plumbing import enqueue_step, step_alive
 from shared import keys
 
 log = structlog.get_logger("teacherq.datasets")

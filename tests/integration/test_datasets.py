@@ -536,3 +536,50 @@ def test_replay_requeues_failed_rq_jobs_and_dead_letters(
     again = replay_dataset(client, done.dataset_id)
     assert again["rq_jobs_requeued"] == [] and again["dead_letters"] == {}
     assert again["state"] == "done"
+
+
+def test_dataset_replay_counts_replays_and_is_atomic(
+    ds_settings, start_consumer, start_worker, tmp_path, redis_url
+) -> None:
+    """A dataset's dead letters are replayed through the queue's one replay path: every write
+    of a job's replay (re-add, drop the failed record, remove the dead letter, clear the row's
+    bits, count the replay) runs inside one script on the server, and a job replayed
+    `queue.max_replays` times is skipped, its dead letter kept and the dataset left done."""
+    from tests.redis_monitor import monitored
+
+    settings = ds_settings.model_copy(
+        update={"queue": ds_settings.queue.model_copy(update={"max_replays": 1})}
+    )
+    rows = _rows(6, seed=4)
+    rows[2] = {"input_ids": [1, VOCAB + 7, 3]}  # outside the tiny teacher's vocabulary
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, rows)
+    client = TeacherClient(settings)
+    worker = start_worker(settings)
+    done = submit_dataset(client, input=str(src), output=str(tmp_path / "out"))
+    wait_state(client, done.dataset_id, ("ingested",), timeout=60, workers=(worker,))
+    q, job_id = settings.queue.name, row_job_id(done.dataset_id, 2)
+    for attempt in (1, 2):
+        consumer = start_consumer(settings)
+        wait_state(client, done.dataset_id, ("done",), timeout=120, workers=(worker,))
+        consumer.send_signal(signal.SIGTERM)
+        consumer.wait(timeout=30)
+        [(_, dead)] = client.r.xrange(keys.dead_stream(q))
+        assert dead[b"job_id"].decode() == job_id
+        with monitored(redis_url) as commands:
+            summary = replay_dataset(client, done.dataset_id)
+        if attempt == 1:
+            assert summary["dead_letters"] == {"replayed": 1} and summary["state"] == "ingested"
+            assert client.r.xlen(keys.dead_stream(q)) == 0
+            touching = [
+                c
+                for c in commands
+                if c.name in ("XADD", "XDEL", "DEL", "SETBIT", "HINCRBY", "INCRBY", "SET")
+                and (job_id in c.text or keys.dead_stream(q) in c.text)
+            ]
+            assert {c.name for c in touching} >= {"XADD", "XDEL", "DEL", "HINCRBY"}, touching
+            assert all(c.from_script for c in touching), [c for c in touching if not c.from_script]
+        else:
+            assert summary["dead_letters"] == {"skipped_max_replays": 1}
+            assert summary["state"] == "done" and client.r.xlen(keys.dead_stream(q)) == 1
+        assert int(client.r.hget(keys.replays_key(q), job_id)) == 1

@@ -198,7 +198,7 @@ def test_replay_round_trip(settings, start_consumer) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
 
-    from producer.replay import replay
+    from producer.dead_letter_replay import replay
 
     dry = replay(client, dry_run=True)
     assert [(d.job_id, d.action) for d in dry] == [(bad_id, "would replay")]
@@ -214,24 +214,40 @@ def test_replay_round_trip(settings, start_consumer) -> None:
     assert client.r.xpending(keys.jobs_stream(s.queue.name), "consumers")["pending"] == 0
 
 
+def _write_dead_letter(r: redis.Redis, queue: str, job_id: str, reason: str) -> None:
+    """A dead letter as a consumer writes it, for a job submitted with this id."""
+    from shared.deadletter import DeadLetter
+    from shared.messages import encode_job
+
+    fields = encode_job(TeacherRequest(input_ids=[1, 2, 3]), job_id=job_id)
+    raw = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+    letter = DeadLetter.for_entry(
+        "1-0", raw, reason=reason, exception="Boom", deliveries=1, attempts=1, consumer="t"
+    )
+    r.xadd(keys.dead_stream(queue), letter.to_fields())
+
+
 def test_replay_skips_succeeded_and_counts_replays(settings, r) -> None:
-    from producer.replay import replay
+    """Replay skips a job that already succeeded, counts each replay against
+    queue.max_replays (skipping past it unless forced), and filters by reason."""
+    from producer.dead_letter_replay import replay
 
     s = settings.model_copy(update={"queue": settings.queue.model_copy(update={"max_replays": 1})})
     client = TeacherClient(s)
     client.streams.ensure_group()
     q = s.queue.name
     for job_id in ("a", "b"):
-        r.xadd(keys.dead_stream(q), {"job_id": job_id, "reason": "boom", "orig:job_id": job_id})
+        _write_dead_letter(r, q, job_id, "boom")
     r.hset(keys.result_key(q, "a"), mapping={"status": "ok"})
     decisions = {d.job_id: d.action for d in replay(client)}
     assert decisions["a"].startswith("skipped: already succeeded")
     assert decisions["b"] == "replayed"
-    r.xadd(keys.dead_stream(q), {"job_id": "b", "reason": "boom again", "orig:job_id": "b"})
+    _write_dead_letter(r, q, "b", "boom again")
     [d] = [d for d in replay(client, job_ids=["b"])]
     assert d.action.startswith("skipped: replayed 1 times")
     [forced] = replay(client, job_ids=["b"], force=True)
     assert forced.action == "replayed"
+    assert int(r.hget(keys.replays_key(q), "b")) == 2
     assert [d.job_id for d in replay(client, reason="nothing matches")] == []
 
 

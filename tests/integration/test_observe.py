@@ -44,8 +44,8 @@ from shared.keys import (
 from shared.messages import Limits, TeacherResult, decode_job
 from shared.results import encode_record
 from shared.settings import Settings, to_env
-from shared.spans import RedisSpanSink, TraceStore
 from shared.streams import Streams
+from shared.trace_store import RedisSpanSink, TraceStore
 from shared.tracing import new_id, record, span
 from tests.conftest import REPO
 
@@ -302,7 +302,7 @@ def test_real_consumer_records_the_whole_job_tree(
         pytest.fail(
             f"consumer recorded no {missing} spans for job {job} (have {sorted(names)}). "
             "The worker instrumentation is not wired yet: the consumer's main() must call "
-            "shared.spans.install_sink(...) and the worker must record queue_wait, claim, "
+            "shared.trace_store.install_sink(...) and the worker must record queue_wait, claim, "
             "pack, forward and head spans under the job's carrier (store and ack exist)",
             pytrace=False,
         )

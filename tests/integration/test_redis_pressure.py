@@ -132,7 +132,14 @@ def test_real_result_replaces_a_dead_letter_and_never_the_reverse(r, settings) -
     q = settings.queue.name
     streams = Streams(r, q)
     streams.ensure_group()
-    dead = {"job_id": "a", "reason": "delivered 4 times"}
+    from shared.deadletter import DeadLetter
+
+    def dead_letter(job_id: str) -> DeadLetter:
+        return DeadLetter.for_entry("1-0", {b"job_id": job_id.encode()},
+                                    reason="delivered 4 times", exception="TooManyDeliveries",
+                                    deliveries=4, attempts=3, consumer="c")  # fmt: skip
+
+    dead = dead_letter("a")
     assert streams.complete(job_id="a", entry_id="", status="failed", record=_record("failed", "a"),
                             ttl_s=60, dead_letter=dead)  # fmt: skip
     assert r.xlen(keys.dead_stream(q)) == 1
@@ -146,7 +153,7 @@ def test_real_result_replaces_a_dead_letter_and_never_the_reverse(r, settings) -
                             ttl_s=60)  # fmt: skip
     assert not streams.complete(job_id="b", entry_id="", status="failed",
                                 record=_record("failed", "b"), ttl_s=60,
-                                dead_letter={**dead, "job_id": "b"})  # fmt: skip
+                                dead_letter=dead_letter("b"))  # fmt: skip
     assert r.hget(keys.result_key(q, "b"), "status") == b"ok"
     assert r.xlen(keys.dead_stream(q)) == 0
     # A cancellation (a failure without dead letter) is not replaced by a late result.
@@ -275,7 +282,7 @@ def _unique(settings: Settings) -> Settings:
 def test_traces_have_their_own_ttl_and_sampling(r, settings) -> None:
     """Span records expire after queue.trace_ttl_s; at a sampling rate of 0.5 about half the
     traces are kept, whole, and two processes keep exactly the same ones."""
-    from shared.spans import RedisSpanSink
+    from shared.trace_store import RedisSpanSink
 
     q = settings.queue.name
     trace_ids = [uuid.uuid4().hex for _ in range(400)]

@@ -25,8 +25,8 @@ from shared.storage import (
     ObjectStore,
     StorageError,
     TransientStorageError,
+    bulk_object_key,
     compute_checksum,
-    result_key,
 )
 from tests.s3_server import (  # noqa: F401  (fixtures register under their short names)
     S3Server,
@@ -60,7 +60,7 @@ def _body(server: S3Server, bucket: str, key: str) -> bytes:
 
 def test_round_trip_small_under_prefix(s3_server: S3Server, s3_bucket: str) -> None:
     store = _store(s3_server, s3_bucket, "runs/r1")
-    key = result_key("teacher:q", "job/1")
+    key = bulk_object_key("teacher:q", "job/1")
     assert store.url == f"s3://{s3_bucket}/runs/r1"
     assert store.url_for(key) == f"s3://{s3_bucket}/runs/r1/{key}"
     assert not store.exists(key)
@@ -239,7 +239,7 @@ def test_stopped_server_is_transient_and_retry_after_restart_succeeds(
     server = isolated_s3_server
     bucket = server.create_bucket("retry-bucket")
     store = _store(server, bucket, "out", client_retries=0)
-    key = result_key("q", "job-after-outage")
+    key = bulk_object_key("q", "job-after-outage")
     data = os.urandom(MULTIPART)
 
     server.stop()
@@ -379,7 +379,7 @@ def test_lost_response_is_retried_without_a_duplicate(
     method: str,
     marker: str,
 ) -> None:
-    key = result_key("q", f"job-{size}")
+    key = bulk_object_key("q", f"job-{size}")
     full_key = f"out/{key}"
     lossy_proxy.lose_response_to = lambda m, target: m == method and marker in target
     store = _store(s3_server, s3_bucket, "out", endpoint=lossy_proxy.endpoint, client_retries=0)

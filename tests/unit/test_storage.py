@@ -21,8 +21,8 @@ from shared.storage import (
     ObjectStore,
     StorageError,
     TransientStorageError,
+    bulk_object_key,
     compute_checksum,
-    result_key,
 )
 
 
@@ -236,31 +236,31 @@ def test_key_too_long_is_rejected(store: ObjectStore) -> None:
         store.put("k" * 1025, b"x")
 
 
-def test_result_key_is_deterministic_and_safe() -> None:
-    key = result_key("teacher:qwen", "batch/7:job#1")
-    assert key == result_key("teacher:qwen", "batch/7:job#1")
+def test_bulk_object_key_is_deterministic_and_safe() -> None:
+    key = bulk_object_key("teacher:qwen", "batch/7:job#1")
+    assert key == bulk_object_key("teacher:qwen", "batch/7:job#1")
     assert re.fullmatch(r"results/teacher_qwen/[0-9a-f]{2}/batch_7_job_1\.[0-9a-f]{32}\.tqa", key)
 
 
-def test_result_key_distinguishes_ids_that_sanitise_alike() -> None:
+def test_bulk_object_key_distinguishes_ids_that_sanitise_alike() -> None:
     ids = ["a:b", "a/b", "a_b", "a b", "a\\b", "a?b"]
-    keys = {result_key("q", i) for i in ids}
+    keys = {bulk_object_key("q", i) for i in ids}
     assert len(keys) == len(ids)
-    assert result_key("q1", "j") != result_key("q2", "j")
-    assert result_key("ab", "c") != result_key("a", "bc")
+    assert bulk_object_key("q1", "j") != bulk_object_key("q2", "j")
+    assert bulk_object_key("ab", "c") != bulk_object_key("a", "bc")
 
 
-def test_result_key_rejects_empty() -> None:
+def test_bulk_object_key_rejects_empty() -> None:
     with pytest.raises(ValueError):
-        result_key("", "job")
+        bulk_object_key("", "job")
     with pytest.raises(ValueError):
-        result_key("q", "")
+        bulk_object_key("q", "")
 
 
 @settings(max_examples=200, deadline=None)
 @given(queue=st.text(min_size=1, max_size=50), job_id=st.text(min_size=1, max_size=300))
-def test_result_key_is_always_a_valid_storable_key(queue: str, job_id: str) -> None:
-    key = result_key(queue, job_id)
+def test_bulk_object_key_is_always_a_valid_storable_key(queue: str, job_id: str) -> None:
+    key = bulk_object_key(queue, job_id)
     assert re.fullmatch(r"results/[A-Za-z0-9_.-]+/[0-9a-f]{2}/[A-Za-z0-9_.-]+\.tqa", key)
     assert ".." not in key.split("/")
     store = ObjectStore.from_url("memory://")
@@ -268,9 +268,9 @@ def test_result_key_is_always_a_valid_storable_key(queue: str, job_id: str) -> N
     assert store.exists(key)
 
 
-def test_result_keys_work_on_the_file_store(file_store: ObjectStore) -> None:
+def test_bulk_object_keys_work_on_the_file_store(file_store: ObjectStore) -> None:
     for job_id in ["../../etc/passwd", "a/b/c", "x:y", ".hidden", "."]:
-        key = result_key("q", job_id)
+        key = bulk_object_key("q", job_id)
         file_store.put(key, job_id.encode())
         assert file_store.get(key) == job_id.encode()
 

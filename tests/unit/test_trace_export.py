@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +24,9 @@ from producer.trace_export import (
     to_html,
 )
 from shared import tracing
-from shared.spans import decode_spans, encode_span, job_subset
+from shared.trace_store import decode_spans, encode_span, job_subset
 from shared.tracing import SpanRecord, record, span
+from tests.conftest import REPO
 
 JOB_PHASES = ["submit", "queue_wait", "claim", "pack", "forward", "head", "store", "ack"]
 
@@ -205,3 +212,76 @@ def test_timeline_data_and_page_are_self_contained(records) -> None:
     assert "http://" not in page and "https://" not in page and " src=" not in page
     assert page.count("</script>") == 3  # the attribute's </script> is escaped in the data
     assert "<\\/script><script>alert(1)<\\/script>" in page
+
+
+def test_placeholders_in_span_text_are_not_expanded(records) -> None:
+    """The page is filled in one pass: a title or attribute that spells a placeholder
+    (`@JS@`, `@CSS@`) is shown as written, never replaced by the script or stylesheet."""
+    simulate_job("job-1", "batch-1")
+    view = view_of(records, "job-1", "batch-1")
+    view.title = "job @JS@ @CSS@"
+    view.jobs[0].spans[0]["attrs"]["note"] = "@DATA@ @TITLE@"
+    page = to_html(view)
+    assert "<title>teacherq trace: job @JS@ @CSS@</title>" in page
+    assert '"note": "@DATA@ @TITLE@"' in page
+    assert page.count("const LANE = 18") == 1 and page.count(".bar.error") == 1
+
+
+_CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
+_RENDER = """
+import json, sys
+import producer
+from producer.trace_export import JobTrace, TraceView, to_html
+view = json.load(sys.stdin)
+jobs = [JobTrace(j["job_id"], j["spans"], j["batch_ids"]) for j in view["jobs"]]
+page = to_html(TraceView(view["title"], jobs, view["batches"]))
+sys.stdout.write(json.dumps([producer.__file__, page]))
+"""
+
+
+def test_installed_package_renders_the_same_page(records, tmp_path: Path) -> None:
+    """The page's HTML, CSS and JS are package data: a wheel built from the repository carries
+    them, and the package installed from it renders exactly the page the source tree renders."""
+    simulate_job("job-1", "batch-1")
+    view = view_of(records, "job-1", "batch-1")
+    src = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for package in ("producer", "consumer", "shared"):
+        shutil.copytree(REPO / package, src / package, ignore=_CACHES)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    [wheel] = (tmp_path / "dist").glob("teacherq-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        zf.extractall(tmp_path / "site")  # a pure wheel installs by unpacking
+    for name in ("page.html", "page.css", "page.js"):
+        assert f"producer/trace_page/{name}" in names
+    payload = {
+        "title": view.title,
+        "jobs": [
+            {"job_id": j.job_id, "spans": j.spans, "batch_ids": j.batch_ids} for j in view.jobs
+        ],
+        "batches": view.batches,
+    }
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run(
+        [sys.executable, "-c", _RENDER],
+        input=json.dumps(payload),
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    installed_from, page = json.loads(out.stdout)
+    assert Path(installed_from).is_relative_to(tmp_path / "site")
+    assert page == to_html(view)
