@@ -7,21 +7,38 @@ import sys
 
 
 def main() -> int:
-    """Read settings from the environment, configure logging, run the consumer."""
+    """Read settings from the environment, configure logging, run the consumer.
+
+    Configuration errors (bad settings, an unsafe Redis) print one or two lines to stderr and
+    exit with 78 (EX_CONFIG), before any model is loaded: restarting cannot fix them, so
+    supervisors should not restart on 78 (docs/operations.md)."""
+    from shared.exitcodes import CONFIG
     from shared.log import configure_logging
     from shared.settings import SettingsError, load_settings
 
     try:
         settings = load_settings()
     except SettingsError as exc:
-        sys.stderr.write(f"{exc}\n")
-        return 2
-    configure_logging(
-        level=settings.log.level, fmt=settings.log.format, rank=int(os.environ.get("RANK", 0))
-    )
-    from consumer.service import run
+        sys.stderr.write(f"teacherq consumer: {exc}\n")
+        return CONFIG
+    rank = int(os.environ.get("RANK", 0))
+    configure_logging(level=settings.log.level, fmt=settings.log.format, rank=rank)
+    from consumer.preflight import UnsafeRedis, preflight
 
-    return run(settings)
+    try:
+        if rank == 0:  # before torch and megatron are imported: a refusal takes a second
+            from shared.redis_server import connect
+
+            verdict = preflight(connect(settings.redis), settings)
+            if verdict:
+                raise UnsafeRedis(verdict)
+        from consumer.service import run
+
+        return run(settings)
+    except UnsafeRedis as exc:
+        if rank == 0:
+            sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")
+        return CONFIG
 
 
 if __name__ == "__main__":

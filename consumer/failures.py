@@ -38,7 +38,8 @@ class DeadLetters:
         deliveries: int,
         attempts: int = 0,
     ) -> None:
-        """Move an entry to the dead-letter stream with why, and give waiters the error.
+        """Move an entry to the dead-letter stream with why, and give waiters the error —
+        unless the job already has a result record (then nothing is written or counted).
 
         `deliveries` is how often the entry was delivered; `attempts` how often it was
         actually computed (0 for invalid input)."""
@@ -53,7 +54,7 @@ class DeadLetters:
         )
         job_id = letter.job_id
         result = TeacherResult(job_id=job_id, model_version=self.loaded.version, error=reason)
-        self.writer.write_now(
+        wrote = self.writer.write_now(
             WriteTask(
                 result=result,
                 entry_id=entry_id,
@@ -62,6 +63,11 @@ class DeadLetters:
                 dead_letter=letter,
             )
         )
+        if not wrote:
+            # A dead letter never wins over a real result: the job has a record (the script
+            # writes the dead letter only with the first record), or our stop's grace ran out.
+            log.info("job.dead_letter_skipped", job_id=job_id, entry_id=entry_id)
+            return
         self.metrics.dead_lettered(reason=exc_type)
         self.metrics.job_failed(reason=exc_type)
         log.warning("job.dead_lettered", job_id=job_id, entry_id=entry_id, reason=reason)

@@ -1,10 +1,15 @@
 """The consumer's heartbeat thread: liveness for others, and a watchdog for itself.
 
-Every `interval_s` it (1) records this consumer's state in the queue's consumers hash, (2)
-refreshes the idle time of every entry the consumer holds, so the reclaim loop of other
-consumers never takes work from a live, slow one, and (3) checks the batch in hand: one running
+Every `interval_s` it (1) refreshes the idle time of every entry the consumer holds, so the
+reclaim loop of other consumers never takes work from a live, slow one, (2) records this
+consumer's state in the queue's consumers hash, and (3) checks the batch in hand: one running
 longer than `job_timeout_s` is hung, so the thread stops refreshing and exits the process —
-its entries then idle out and are redelivered elsewhere (up to the dead-letter limit).
+its entries are then redelivered elsewhere (up to the dead-letter limit).
+
+(1) and (2) are independent: a failed heartbeat write never skips the refresh. Both work while
+Redis is full (maxmemory, noeviction): XCLAIM is not refused under OOM, and the heartbeat
+record, one small field overwritten in place, is written by a script flagged `allow-oom` — a
+full Redis must not make live consumers look dead.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ import structlog
 from consumer.claims import Claimer
 
 log = structlog.get_logger("teacherq.heartbeat")
+
+# Overwrites one field of the consumers hash; allowed while Redis is at maxmemory (the record
+# replaces one of the same size), so liveness stays visible when every other write is refused.
+_BEAT = """#!lua flags=allow-oom
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 
 EXIT_HUNG = 124  # like timeout(1)
 
@@ -54,10 +66,17 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tq-heartbeat", daemon=True)
+        self._beat = client.register_script(_BEAT)
+        self.extra: dict[str, Any] = {}  # more fields for the record (e.g. Redis memory)
+        # Called on this thread before each beat (sampling Redis memory, noticing a stop).
+        self.on_beat: list[Callable[[], None]] = []
 
     def start(self) -> None:
-        """Beat once now, then every interval."""
-        self.beat()
+        """Beat once now (if Redis lets us), then every interval."""
+        try:
+            self.beat()
+        except redis.RedisError as exc:  # the thread keeps trying
+            log.warning("heartbeat.failed", error=str(exc))
         self._thread.start()
 
     def stop(self, final_state: str = "stopped") -> None:
@@ -86,8 +105,15 @@ class Heartbeat:
             held = sorted(self.held)
         record = {"state": self.state, "time": time.time(), "in_flight": len(held)}
         record.update(self.describe())
-        self.r.hset(self.key, self.name, json.dumps(record))
+        record.update(self.extra)
+        self._beat(keys=[self.key], args=[self.name, json.dumps(record)])
         self.last_beat = time.monotonic()
+
+    def refresh(self) -> None:
+        """Reset the idle time of the entries we hold (see Claimer.touch)."""
+        with self._lock:
+            held = list(self.held)
+        self.claimer.touch(held)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -99,10 +125,15 @@ class Heartbeat:
                     job_timeout_s=self.job_timeout_s,
                 )
                 os._exit(EXIT_HUNG)
+            # Refresh first and on its own: our entries must not idle out because some other
+            # write failed (a failed refresh is logged inside and retried next interval).
+            self.refresh()
+            for hook in self.on_beat:
+                try:
+                    hook()
+                except redis.RedisError as exc:
+                    log.warning("heartbeat.hook_failed", error=str(exc))
             try:
                 self.beat()
-                with self._lock:
-                    held = list(self.held)
-                self.claimer.touch(held)
             except redis.RedisError as exc:  # Redis restarting: keep beating once it is back
                 log.warning("heartbeat.failed", error=str(exc))

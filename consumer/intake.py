@@ -16,6 +16,7 @@ from consumer.failures import DeadLetters
 from consumer.heartbeat import Heartbeat
 from consumer.metrics import ConsumerMetrics
 from consumer.replica import Counters, LoadedModel
+from consumer.writer import ResultWriter
 from shared import keys
 from shared.errors import InvalidJob
 from shared.messages import Job, Limits, decode_job
@@ -41,6 +42,7 @@ class Intake:
         limits: Limits,
         max_deliveries: int,
         consumer: str,
+        writer: ResultWriter,
     ) -> None:
         self.r = client
         self.streams = streams
@@ -53,6 +55,7 @@ class Intake:
         self.limits = limits
         self.max_deliveries = max_deliveries
         self.consumer = consumer
+        self.writer = writer
         # When each claimed entry was read (span clock): set on the prefetch thread, popped
         # by the loop.
         self._read_times: dict[bytes, tuple[float, float]] = {}
@@ -80,7 +83,7 @@ class Intake:
                     entry_id, fields, reason=str(exc), exc_type="InvalidJob", deliveries=count
                 )
                 continue
-            if count > self.max_deliveries:
+            if count > self.max_deliveries and not self._finished_or_storing(job):
                 reason = (
                     f"delivered {count} times, more than consumer.max_deliveries="
                     f"{self.max_deliveries} (the job crashed, hung or timed out each time)"
@@ -103,9 +106,17 @@ class Intake:
             self._read_times.pop(eid, None)
         return self.skip_finished(jobs)
 
+    def _finished_or_storing(self, job: Job) -> bool:
+        """A job with a result record, or whose result this consumer is storing, is never
+        dead-lettered, whatever its delivery count: `skip_finished` settles it."""
+        return self.writer.storing(job.job_id) or bool(
+            self.r.exists(keys.result_key(self.queue, job.job_id))
+        )
+
     def skip_finished(self, jobs: list[Job]) -> list[Job]:
         """Acknowledge, without computing, jobs that already have a result record (done,
-        failed or cancelled) or that appear twice in this read (a retried XADD)."""
+        failed or cancelled) or that appear twice in this read (a retried XADD); leave to the
+        writer the jobs whose result it is storing (waiting for room in a full Redis)."""
         if not jobs:
             return jobs
         pipe = self.r.pipeline(transaction=False)
@@ -113,6 +124,15 @@ class Intake:
             pipe.exists(keys.result_key(self.queue, job.job_id))
         todo, seen = [], set()
         for job, exists in zip(jobs, pipe.execute(), strict=True):
+            if self.writer.storing(job.job_id):
+                # Our own write of this job acknowledges its entry; another entry of the same
+                # job is a duplicate.
+                seen.add(job.job_id)
+                if not self.writer.storing_entry(job.entry_id):
+                    self.streams.ack(job.entry_id, tokens=job.counted_tokens)
+                    self.heartbeat.release(job.entry_id)
+                log.info("job.being_stored", job_id=job.job_id, entry_id=job.entry_id)
+                continue
             if exists or job.job_id in seen:
                 self.streams.ack(job.entry_id, tokens=job.counted_tokens)
                 self.heartbeat.release(job.entry_id)

@@ -41,6 +41,7 @@ from consumer.metrics import ConsumerMetrics
 from consumer.prefetch import Prefetcher
 from consumer.prefix import plan_shared_microbatches
 from consumer.preflight import check_redis
+from consumer.pressure import MemoryWatch
 from consumer.replica import Counters, LoadedModel
 from consumer.retention import Janitor
 from consumer.scoring import Scorer
@@ -88,6 +89,9 @@ class Leader:
             self.name,
             visibility_timeout_s=c.visibility_timeout_s,
             block_ms=c.block_ms,
+            consumers_key=keys.consumers_key(self.queue),
+            heartbeat_interval_s=c.heartbeat_interval_s,
+            dead_after_beats=c.dead_after_beats,
         )
         self.heartbeat = Heartbeat(
             client=client,
@@ -107,7 +111,15 @@ class Leader:
             threads=c.store_threads,
             faults=faults,
             on_done=self._written,
+            max_queued=c.max_queued_writes,
         )
+        self.memory = MemoryWatch(
+            client,
+            pause_fraction=c.memory_pause_fraction,
+            writes_refused=lambda: self.writer.under_pressure,
+        )
+        self.heartbeat.on_beat += [self._sample_memory, self._notice_stop]
+        self._model_published = False
         self.metrics = ConsumerMetrics(
             queue=self.queue,
             consumer=self.name,
@@ -134,6 +146,7 @@ class Leader:
             limits=limits,
             max_deliveries=c.max_deliveries,
             consumer=self.name,
+            writer=self.writer,
         )
         self.runner = BatchRunner(
             loaded=self.loaded,
@@ -183,7 +196,7 @@ class Leader:
         """Serve until stopped; every claimed entry is finished, stored and acked first."""
         check_redis(self.r, policy=self.c.durable_redis)
         self.streams.ensure_group()
-        self.control.publish_model()
+        self._publish_model()
         self.heartbeat.start()
         self.heartbeat.state = "ready"
         log.info("consumer.ready", consumer=self.name, model_version=self.loaded.version)
@@ -214,6 +227,30 @@ class Leader:
                 device_idle_fraction=self.counters.idle_fraction,
                 **vars(self.counters),
             )
+
+    def _publish_model(self) -> None:
+        """Publish the model for clients; while Redis is full this is retried from the
+        heartbeat thread instead of failing the start-up."""
+        try:
+            self.control.publish_model()
+            self._model_published = True
+        except redis.exceptions.OutOfMemoryError as exc:
+            log.warning("consumer.publish_deferred", error=str(exc))
+
+    def _sample_memory(self) -> None:
+        """Heartbeat hook: Redis memory into the heartbeat record and the metrics."""
+        fields = self.memory.sample()
+        paused = self.memory.paused
+        self.heartbeat.extra.update(redis_memory=fields, paused=paused)
+        self.metrics.redis_memory(fields, paused=paused)
+        if not self._model_published:
+            self._publish_model()
+
+    def _notice_stop(self) -> None:
+        """Heartbeat hook: once stop is requested, writes Redis still refuses after the grace
+        period are given up (the loop may be waiting on them), so the consumer exits."""
+        if self.stop.requested and not self.writer.abandoning:
+            self.writer.abandon_after(self.c.stop_grace_s)
 
     def _loop(self, fetcher: Prefetcher) -> None:
         """Take claimed entries and process them until stopped and empty-handed."""
@@ -277,6 +314,11 @@ class Leader:
     def _fetch(self) -> list[Entry]:
         """Claim entries (called on the prefetch thread, or inline without prefetch)."""
         read0 = now()
+        if self.memory.paused:
+            # Redis (nearly) full: take no new work — nothing computed that cannot be stored;
+            # look again after a blocking read's time.
+            time.sleep(self.c.block_ms / 1000)
+            return []
         while True:
             try:
                 entries = self.claimer.next_entries(self._batch_size())

@@ -144,6 +144,29 @@ class ConsumerMetrics:
             "teacherq_consumer_state", "1 for the consumer's current state.", labels + ("state",),
             registry=reg,
         )  # fmt: skip
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        self._redis_used = gauge(
+            "teacherq_redis_memory_used_bytes", "Redis used_memory as last sampled."
+        ).labels(*lv)
+        self._redis_limit = gauge(
+            "teacherq_redis_memory_limit_bytes", "Redis maxmemory (0: no limit)."
+        ).labels(*lv)
+        self._redis_growth = gauge(
+            "teacherq_redis_memory_growth_bytes_per_second",
+            "Growth of Redis used_memory over the last minutes (negative: shrinking).",
+        ).labels(*lv)
+        self._redis_full_in = gauge(
+            "teacherq_redis_memory_seconds_to_full",
+            "Projected seconds until maxmemory at the current growth (-1: not growing or no "
+            "limit; 0: full).",
+        ).labels(*lv)
+        self._paused = gauge(
+            "teacherq_consumer_paused",
+            "1 while the consumer takes no new work because Redis is (nearly) full.",
+        ).labels(*lv)
         ProcessCollector(registry=reg)  # resident memory, CPU seconds, open fds of this process
 
         self._lock = threading.Lock()
@@ -245,6 +268,15 @@ class ConsumerMetrics:
                 ("peak_allocated", torch.cuda.max_memory_allocated(i)),
             ):
                 self._device_mem.labels(self.queue, self.consumer, dev, kind).set(value)
+
+    def redis_memory(self, fields: dict[str, Any], *, paused: bool) -> None:
+        """Redis memory as `shared.memory.memory_fields` reports it, and the pause state."""
+        self._redis_used.set(fields["used_bytes"])
+        self._redis_limit.set(fields["limit_bytes"])
+        self._redis_growth.set(fields["growth_bytes_per_s"] or 0.0)
+        eta = fields["seconds_to_full"]
+        self._redis_full_in.set(-1 if eta is None else eta)
+        self._paused.set(1 if paused else 0)
 
     # -- reading --------------------------------------------------------------------------
 

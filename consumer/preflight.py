@@ -1,9 +1,19 @@
-"""Start-up checks of the Redis server a consumer is about to trust with its work."""
+"""Start-up checks of the Redis server a consumer is about to trust with its work.
+
+They run before the model is loaded (and, on global rank 0, before torch and megatron are even
+imported), so a refusal costs seconds and prints one line; `python -m consumer` exits with
+78 (EX_CONFIG), which supervisors treat as "do not restart".
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import redis
 import structlog
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 log = structlog.get_logger("teacherq.preflight")
 
@@ -61,3 +71,17 @@ def check_redis(client: redis.Redis, *, policy: str) -> dict[str, str]:
             raise UnsafeRedis(problem + " (or set TEACHERQ_CONSUMER__DURABLE_REDIS=warn)")
         log.warning("preflight.unsafe_redis", problem=problem)
     return found
+
+
+def preflight(client: redis.Redis, settings: Settings) -> str:
+    """A consumer's start-up checks, run before the model loads: Redis durability and
+    commands, then the jobs stream's group (an existing group is fine, also while Redis is
+    full). Returns "" when the consumer may start, else the one-line reason it must not."""
+    from shared.streams import Streams
+
+    try:
+        check_redis(client, policy=settings.consumer.durable_redis)
+    except UnsafeRedis as exc:
+        return str(exc)
+    Streams(client, settings.queue.name, settings.queue.group).ensure_group()
+    return ""

@@ -17,6 +17,7 @@ from consumer.graphs import GraphedForward
 from consumer.leader import Leader
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
+from consumer.preflight import UnsafeRedis, preflight
 from consumer.reload import load_agreed
 from consumer.scoring import Scorer
 from consumer.stop import StopFlag
@@ -159,7 +160,8 @@ class CheckpointLoadError(InvalidCheckpoint):
 
 
 def run(settings: Settings) -> int:
-    """Serve the queue until stopped; returns the process exit code."""
+    """Serve the queue until stopped; returns the process exit code. Raises UnsafeRedis,
+    before loading the model, when the start-up checks refuse (see `preflight`)."""
     cpu_compat.apply()
     stop = StopFlag()
     stop.install()
@@ -176,10 +178,21 @@ def run(settings: Settings) -> int:
     try:
         client = None
         choice: weights.StartChoice | None = None
+        verdict = ""
         if layout.is_leader:
             from shared.redis_server import connect
 
             client = connect(settings.redis)
+            verdict = preflight(client, settings)
+        # Start-up checks come before the model loads (minutes for a large teacher), and every
+        # rank of the group learns their verdict: all exit with the configuration code.
+        verdict = broadcast_text(verdict, src=layout.leader_rank, group=layout.tp_group)
+        if verdict:
+            raise UnsafeRedis(verdict)
+        if layout.is_leader:
+            from shared import weights
+
+            assert client is not None
             control_cursor = last_control_id(client, settings.queue.name)
             choice = weights.start_choice(weights.current(client, settings.queue.name))
         scorer, version, generation = start_model(settings, layout, client, choice)
@@ -222,7 +235,13 @@ def run(settings: Settings) -> int:
                                generation=generation, live_replicas=[leader.name])  # fmt: skip
         from shared.trace_store import install_sink
 
-        sink = install_sink(client, settings.queue.name, process=f"consumer {leader.name}")
+        sink = install_sink(
+            client,
+            settings.queue.name,
+            process=f"consumer {leader.name}",
+            ttl_s=settings.queue.trace_ttl_s,
+            sample_rate=settings.queue.trace_sample_rate,
+        )
         try:
             leader.run()
         finally:

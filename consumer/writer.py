@@ -5,10 +5,18 @@ object storage and written to Redis. Each job's write is one unit: upload the bu
 any), then one atomic script writes the record, announces it and XACKs. A failure retries with
 backoff until it succeeds or the process dies — in which case the entry, never acknowledged,
 is redelivered: nothing acknowledged is ever lost.
+
+Memory pressure: while Redis is full (maxmemory, noeviction) writes are refused and retried;
+`under_pressure` tells the loop to stop taking new work meanwhile, and `submit` blocks while
+`max_queued` writes are unfinished, so results waiting for room never pile up in the process.
+After a stop request (`abandon_after`) a write still refused past the grace deadline is given
+up: its entry stays pending, unacknowledged, and is redelivered once Redis has room — a
+consumer told to stop exits within its grace period whatever Redis's state.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +63,7 @@ class ResultWriter:
         threads: int,
         faults: FaultInjector,
         on_done: Callable[[WriteTask, bool], None] | None = None,
+        max_queued: int = 64,
     ) -> None:
         self.streams = streams
         self.store = store
@@ -63,16 +72,66 @@ class ResultWriter:
         self.ttl_s = ttl_s
         self.faults = faults
         self.on_done = on_done
+        self.max_queued = max_queued
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tq-writer")
         self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self._storing: dict[str, int] = {}  # job id -> unfinished writes of it
+        self._entries: set[str] = set()  # entry ids of unfinished writes
+        self._refused_since: float | None = None  # first OOM refusal since the last success
+        self._deadline: float | None = None  # give up retrying after this (monotonic)
+        self.abandoned = 0
+
+    @property
+    def under_pressure(self) -> bool:
+        """True while writes are being refused because Redis is full."""
+        return self._refused_since is not None
+
+    def storing(self, job_id: str) -> bool:
+        """Whether a write of this job's result is queued or under way here."""
+        with self._lock:
+            return job_id in self._storing
+
+    def storing_entry(self, entry_id: str) -> bool:
+        """Whether a write that acknowledges this entry is queued or under way here."""
+        with self._lock:
+            return entry_id in self._entries
+
+    @property
+    def abandoning(self) -> bool:
+        """Whether a stop's grace deadline is set."""
+        return self._deadline is not None
+
+    def abandon_after(self, grace_s: float) -> None:
+        """Stop requested: writes still failing `grace_s` from now are given up (their
+        entries stay pending and are redelivered)."""
+        self._deadline = time.monotonic() + grace_s
 
     def submit(self, task: WriteTask) -> None:
-        """Persist in the background."""
+        """Persist in the background; blocks while `max_queued` writes are unfinished."""
         self._futures = [f for f in self._futures if not f.done()]
+        while len(self._futures) >= self.max_queued:
+            self._futures[0].result()
+            self._futures = [f for f in self._futures if not f.done()]
+        self._mark(task, +1)
         self._futures.append(self._pool.submit(self._write_with_retry, task))
+
+    def _mark(self, task: WriteTask, delta: int) -> None:
+        job_id = task.result.job_id
+        with self._lock:
+            n = self._storing.get(job_id, 0) + delta
+            if n > 0:
+                self._storing[job_id] = n
+            else:
+                self._storing.pop(job_id, None)
+            if delta > 0:
+                self._entries.add(task.entry_id)
+            else:
+                self._entries.discard(task.entry_id)
 
     def write_now(self, task: WriteTask) -> bool:
         """Persist in this thread (dead letters, duplicates); True if this call wrote."""
+        self._mark(task, +1)
         return self._write_with_retry(task)
 
     def flush(self) -> None:
@@ -91,10 +150,17 @@ class ResultWriter:
         self._pool.shutdown(wait=True)
 
     def _write_with_retry(self, task: WriteTask) -> bool:
+        try:
+            return self._retry(task)
+        finally:
+            self._mark(task, -1)
+
+    def _retry(self, task: WriteTask) -> bool:
         delay = 0.05
         while True:
             try:
                 wrote = self._write(task)
+                self._refused_since = None
                 if self.on_done:
                     self.on_done(task, wrote)
                 return wrote
@@ -108,9 +174,19 @@ class ResultWriter:
                 # until consumers drain it), a storage hiccup. The entry stays pending until
                 # this succeeds. Any other storage error (a missing bucket, bad credentials) is
                 # a configuration error and is raised: the consumer stops loudly.
+                if isinstance(exc, redis.exceptions.OutOfMemoryError):
+                    self._refused_since = self._refused_since or time.monotonic()
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self.abandoned += 1
+                    log.warning("store.abandoned", job_id=task.result.job_id,
+                                entry_id=task.entry_id, error=str(exc))  # fmt: skip
+                    return False
                 log.warning("store.retry", job_id=task.result.job_id, error=str(exc), delay_s=delay)
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                # A refusal for memory costs Redis one rejected call: retry at least every
+                # second, so the write (and the consumer's pause) ends soon after room appears.
+                oom = isinstance(exc, redis.exceptions.OutOfMemoryError)
+                delay = min(delay * 2, 1.0 if oom else 5.0)
 
     def _write(self, task: WriteTask) -> bool:
         job_id = task.result.job_id

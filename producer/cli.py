@@ -47,7 +47,9 @@ def _client(settings: Settings):
 
     client = TeacherClient(settings)
     # The CLI's own spans (submit) go to Redis too, so `teacherq trace` shows the whole tree.
-    install_sink(client.r, settings.queue.name, process="teacherq cli")
+    q = settings.queue
+    install_sink(client.r, q.name, process="teacherq cli", ttl_s=q.trace_ttl_s,
+                 sample_rate=q.trace_sample_rate)  # fmt: skip
     return client
 
 

@@ -15,6 +15,7 @@ from shared import keys, weights
 from shared.checkpoint_probe import probe_checkpoint
 from shared.errors import InvalidJob, JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
+from shared.memory import MemoryInfo, read_memory
 from shared.messages import (
     Limits,
     TeacherRequest,
@@ -38,6 +39,7 @@ log = get_logger("teacherq.client")
 # Jobs enqueued per transaction: one submit call of up to this many jobs reaches the stream
 # at once (a GRPO group is far smaller); larger calls go in chunks of it.
 SUBMIT_CHUNK = 512
+
 
 
 class TeacherClient:
@@ -113,6 +115,7 @@ class TeacherClient:
         """Enqueue jobs in one transaction: a consumer reads all of them or none, so the
         responses of a GRPO group submitted together meet in one batch and share their
         prompt, even when an idle consumer is blocked on the stream. One `submit` span each."""
+        self._wait_for_memory()
         self._wait_for_room(sum(req.num_tokens for _, req in jobs))
         spans = [start_span("submit", job_id=j, tokens=req.num_tokens) for j, req in jobs]
         pipe = self.r.pipeline(transaction=True)
@@ -128,6 +131,44 @@ class TeacherClient:
         for s, entry in zip(spans, entries, strict=True):
             s.set(enqueued=entry is not None)
             end_span(s)
+
+    def _memory_full(self) -> MemoryInfo | None:
+        """Redis's memory figures if above queue.max_memory_fraction of maxmemory, else None."""
+        info = read_memory(self.r)
+        return info if info.above(self.settings.queue.max_memory_fraction) else None
+
+    def _memory_message(self, info: MemoryInfo) -> str:
+        q = self.settings.queue
+        return (
+            f"queue {self.queue}: Redis memory is {info.describe()}, above "
+            f"queue.max_memory_fraction={q.max_memory_fraction}; results could not be stored. "
+            "Remedy: read finished results (or set queue.delete_result_on_read), shorten "
+            "queue.result_ttl_s / queue.trace_ttl_s, add consumers, or raise Redis maxmemory"
+        )
+
+    def _wait_for_memory(self) -> None:
+        """Memory backpressure: block (or raise, by queue.backpressure) while Redis uses more
+        than queue.max_memory_fraction of maxmemory."""
+        info = self._memory_full()
+        if info is None:
+            return
+        q = self.settings.queue
+        if q.backpressure == "raise":
+            raise QueueFull(self._memory_message(info))
+        log.warning("submit.memory_backpressure", queue=self.queue, used=info.used,
+                    limit=info.limit)  # fmt: skip
+        deadline = time.monotonic() + q.backpressure_timeout_s
+        cursor = self._done_cursor()
+        while (info := self._memory_full()) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueFull(
+                    self._memory_message(info) + f" (waited {q.backpressure_timeout_s:.0f}s)"
+                )
+            # Completions are when memory may fall (acks, trims); wake on them, at least 1/s.
+            reply = self.r.xread({self.streams.done: cursor}, block=int(min(left, 1) * 1000))
+            for _stream, entries in cast(StreamReply, reply) or []:
+                cursor = entries[-1][0]
 
     def _wait_for_room(self, tokens: int) -> None:
         """Backpressure: block (or raise, by setting) while the queue holds more pending
@@ -161,14 +202,23 @@ class TeacherClient:
     def results(self, job_ids: Sequence[str], *, strict: bool = True) -> list[TeacherResult | None]:
         """Results of finished jobs, None for jobs submitted and not finished yet (no waiting).
         Raises `UnknownJob` naming every id this queue has never seen; `strict=False` returns
-        None for those too."""
+        None for those too. With queue.delete_result_on_read, the records returned are deleted
+        from Redis."""
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(keys.result_key(self.queue, job_id))
         records = pipe.execute()
         if strict:
             self.check_known([j for j, rec in zip(job_ids, records, strict=True) if not rec])
-        return [decode_record(rec, store=self.store) if rec else None for rec in records]
+        out = [decode_record(rec, store=self.store) if rec else None for rec in records]
+        if self.settings.queue.delete_result_on_read:
+            # Read once, then gone from Redis (queue.delete_result_on_read): the record's
+            # memory is freed now instead of after result_ttl_s. Bulk objects stay in storage.
+            read = [keys.result_key(self.queue, j) for j, res in zip(job_ids, out, strict=True)
+                    if res is not None]  # fmt: skip
+            if read:
+                self.r.unlink(*read)
+        return out
 
     def check_known(self, job_ids: Sequence[str]) -> None:
         """Raise `UnknownJob` naming the ids never submitted to this queue (no result record,

@@ -93,7 +93,9 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
         redis_cfg = settings.redis.model_copy(update={"url": url})
         client = TeacherClient(settings.model_copy(update={"redis": redis_cfg}))
         # Record the demo's submit spans too, so `teacherq trace JOB_ID` shows whole trees.
-        sink = install_sink(client.r, settings.queue.name, process="teacherq demo")
+        q = settings.queue
+        sink = install_sink(client.r, q.name, process="teacherq demo", ttl_s=q.trace_ttl_s,
+                            sample_rate=q.trace_sample_rate)  # fmt: skip
         _wait_for_consumer(client, consumer, timeout=timeout)
         run = secrets.token_hex(3)
         vocab = client.limits().vocab_size or 1000

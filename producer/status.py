@@ -11,7 +11,9 @@ Figures and where they come from:
 - `consumers`: the heartbeat records (`keys.consumers_key`), with their age and `alive`;
 - `throughput`: completions in the last `window_s` seconds from the done stream's entry ids
   (their millisecond timestamps), tokens from the throughput stream the consumers append one
-  entry per batch to (`shared.keys.throughput_stream`); windows use the server's clock.
+  entry per batch to (`shared.keys.throughput_stream`); windows use the server's clock;
+- `memory`: Redis's used memory and maxmemory (INFO memory), the growth rate the freshest live
+  consumer measured (its heartbeat's `redis_memory`), and the projected seconds to full.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rich.table import Table
 
 from shared import keys, weights
 from shared.keys import throughput_stream
+from shared.memory import memory_fields, read_memory
 
 SAMPLE_ENTRIES = 10  # in-flight entries listed per consumer
 
@@ -120,6 +123,15 @@ def _consumers(
     return out
 
 
+def _memory(r: redis.Redis, consumers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    live = [c for c in consumers.values() if c["alive"] and c.get("redis_memory")]
+    rate = None
+    if live:
+        freshest = min(live, key=lambda c: c["heartbeat_age_s"])
+        rate = freshest["redis_memory"].get("growth_bytes_per_s")
+    return memory_fields(read_memory(r), rate)
+
+
 def snapshot(
     r: redis.Redis,
     queue: str,
@@ -155,6 +167,7 @@ def snapshot(
         "in_flight_by_consumer": _in_flight(r, stream, group) if g else {},
         "consumers": consumers,
         "throughput": _throughput(r, queue, now_ms, window_s),
+        "memory": _memory(r, consumers),
         # Since each consumer started: tokens shared-prefix packing did not have to compute.
         "prefix_tokens_saved": sum(
             int(c.get("prefix_tokens_saved") or 0) for c in consumers.values()
@@ -173,6 +186,24 @@ def _age(v: float | None) -> str:
     if v is None:
         return "-"
     return f"{v:.1f} s" if v < 120 else f"{v / 60:.1f} min"
+
+
+def _memory_text(m: dict[str, Any]) -> str:
+    used = f"{m['used_bytes'] / 2**20:,.1f} MiB"
+    if not m["limit_bytes"]:
+        return f"{used} (no maxmemory: Redis can grow until the host runs out)"
+    text = f"{used} of {m['limit_bytes'] / 2**20:,.1f} MiB ({100 * m['fraction']:.1f} %)"
+    eta = m["seconds_to_full"]
+    if eta == 0:
+        return text + ": FULL, results cannot be stored"
+    if eta is not None:
+        return text + f", full in ~{_age(eta)} at the current rate"
+    return text
+
+
+def _memory_style(m: dict[str, Any]) -> str:
+    f = m["fraction"]
+    return "" if f is None or f < 0.85 else ("red" if f >= 0.95 else "yellow")
 
 
 def render(snap: dict[str, Any]) -> Group:
@@ -200,6 +231,9 @@ def render(snap: dict[str, Any]) -> Group:
             line += f" on {w.get('failed_by')}: {w.get('error')}"
         q.add_row("weight update", line, style="red" if w.get("state") == "failed" else "")
         q.add_row("consumers start on", w.get("active_path") or "their configured model")
+    m = snap.get("memory")
+    if m:
+        q.add_row("Redis memory", _memory_text(m), style=_memory_style(m))
 
     f = Table(title="in flight", title_justify="left")
     for col in ("consumer", "entries", "last read", "oldest entry idle", "max deliveries"):

@@ -99,11 +99,29 @@ class QueueSettings(_Section):
     max_pending_tokens: int = Field(default=50_000_000, ge=1)
     """Backpressure: submit waits (or raises) while the queue holds more tokens than this."""
 
+    max_memory_fraction: float = Field(default=0.85, gt=0, le=1)
+    """Backpressure on memory: submit waits (or raises) while Redis uses more than this
+    fraction of its maxmemory (no effect without maxmemory). Keep it below
+    consumer.memory_pause_fraction so results always have room to be stored."""
+
     backpressure: Literal["block", "raise"] = "block"
-    """What submit does above max_pending_tokens: block until there is room, or raise."""
+    """What submit does above max_pending_tokens or max_memory_fraction: block until there is
+    room, or raise QueueFull."""
 
     backpressure_timeout_s: float = Field(default=600.0, gt=0)
     """How long a blocked submit waits for room before raising."""
+
+    trace_ttl_s: int = Field(default=3 * 24 * 3600, ge=60)
+    """How long span records (`teacherq trace`) stay in Redis; shorter than result_ttl_s
+    by default, since traces are for diagnosis, not an archive."""
+
+    trace_sample_rate: float = Field(default=1.0, ge=0, le=1)
+    """Share of traces recorded (decided from the trace id, so every process a job crosses
+    agrees); 0 records none. Traces are most of a small job's memory (docs/deploy.md)."""
+
+    delete_result_on_read: bool = False
+    """Delete a result record from Redis once the client has read it (`wait`/`results`):
+    for trainers that read each result once; bulk arrays stay in object storage."""
 
     max_replays: int = Field(default=3, ge=0)
     """How often one job may be replayed from the dead-letter stream (stops endless
@@ -180,6 +198,22 @@ class ConsumerSettings(_Section):
 
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     """How often a consumer records its heartbeat and refreshes its in-flight entries."""
+
+    dead_after_beats: int = Field(default=3, ge=2)
+    """A consumer whose heartbeat is older than this many intervals is dead: its pending
+    entries are taken over at once, and its name and heartbeat are pruned once it holds none."""
+
+    memory_pause_fraction: float = Field(default=0.95, gt=0, le=1)
+    """Above this fraction of Redis's maxmemory (or while result writes are refused as out
+    of memory) consumers take no new work, and resume when there is room."""
+
+    max_queued_writes: int = Field(default=64, ge=1)
+    """Results waiting to be stored, at most, per consumer; scoring waits for room."""
+
+    stop_grace_s: float = Field(default=60.0, gt=0)
+    """After SIGTERM, results that still cannot be stored this long (Redis full or down) are
+    given up unacknowledged, so their entries are redelivered; keep it below the supervisor's
+    grace period (docker-compose stop_grace_period)."""
 
     job_timeout_s: float = Field(default=600.0, gt=0)
     """A batch running longer than this is considered hung: the consumer stops refreshing its
@@ -281,6 +315,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Settings:
+        if self.queue.max_memory_fraction >= self.consumer.memory_pause_fraction:
+            raise ValueError(
+                f"queue.max_memory_fraction={self.queue.max_memory_fraction} must be below "
+                f"consumer.memory_pause_fraction={self.consumer.memory_pause_fraction}: "
+                "results need room above what submit may fill"
+            )
         if self.parallel.pp != 1:
             raise ValueError(
                 f"parallel.pp={self.parallel.pp}: pipeline parallelism is not supported; use pp=1"

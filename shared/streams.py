@@ -3,6 +3,12 @@
 Each script touches only keys of one queue (one hash slot), so it is atomic on a single
 Redis and legal on a cluster. Atomicity is what makes retries safe: redis-py may resend a
 command after a connection error, and a resent script finds its own effects and does nothing.
+
+Scripts that write start with a `#!lua` line: Redis then decides once, before the script
+runs, whether it may write (refused as a whole while Redis is at maxmemory) — without it a
+script would be refused at its first memory-growing command, its earlier commands done and
+kept (e.g. a submit marker set but no entry added). The ack-only script is flagged
+`allow-oom`: it frees memory.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ Fields = dict[bytes, bytes]  # HGETALL
 # KEYS: submitted marker, jobs stream, pending-token counter. ARGV: marker TTL, token count,
 # then stream field/value pairs. Returns the new entry id, or false if the job id was
 # submitted before.
-_SUBMIT = """
+_SUBMIT = """#!lua
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
   redis.call('INCRBY', KEYS[3], ARGV[2])
   return redis.call('XADD', KEYS[2], '*', 'n_tokens', ARGV[2], unpack(ARGV, 3))
@@ -43,8 +49,11 @@ end
 """
 
 # KEYS: jobs stream, pending-token counter. ARGV: group, entry id, tokens.
+# Allowed while Redis is full: acknowledging frees memory (the pending-list entry) and the
+# counter is decremented in place, so a consumer can always let go of work it skips.
 _ACK_ONLY = (
-    _ACK
+    "#!lua flags=allow-oom\n"
+    + _ACK
     + """
 ack(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
 return 1
@@ -55,31 +64,42 @@ return 1
 # ARGV: group, entry id, result TTL, job id, status, done-stream maxlen, tokens,
 #       n result values, result field/values..., then dead-letter field/values (none: no dead
 #       letter). Writes the record only if none exists (first writer wins), announces it on the
-#       done stream, dead-letters if asked, and always acknowledges the entry. Returns 1 if it
-#       wrote.
+#       done stream, and always acknowledges the entry. Returns 1 if it wrote.
+# A dead letter never wins over a real result: it is written only with its failure record,
+# only when the job has no record yet, and the record notes the dead letter's id (field
+# `dead_entry`); a real result that arrives later (its write was waiting for room in Redis while
+# another consumer gave up on the job) replaces that record and removes the dead letter.
 _COMPLETE = (
-    _ACK
+    "#!lua\n"
+    + _ACK
     + """
 local n = tonumber(ARGV[8])
 local wrote = 0
+if ARGV[5] == 'ok' and redis.call('EXISTS', KEYS[1]) == 1 then
+  local dead_entry = redis.call('HGET', KEYS[1], 'dead_entry')
+  if dead_entry then
+    redis.call('XDEL', KEYS[4], dead_entry)
+    redis.call('DEL', KEYS[1])
+  end
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 9, 8 + n))
+  if #ARGV > 8 + n then
+    local dead_id = redis.call('XADD', KEYS[4], '*', unpack(ARGV, 9 + n))
+    redis.call('HSET', KEYS[1], 'dead_entry', dead_id)
+  end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'job_id', ARGV[4], 'status', ARGV[5])
   wrote = 1
-end
-if #ARGV > 8 + n and wrote == 1 then
-  redis.call('XADD', KEYS[4], '*', unpack(ARGV, 9 + n))
 end
 ack(KEYS[3], KEYS[5], ARGV[1], ARGV[2], ARGV[7])
 return wrote
 """
 )
 
-
 # KEYS: jobs stream. ARGV: group, entry id, then the entry's field/values. Re-adds an entry
 # as a new one and acknowledges the old, atomically; its tokens stay counted as pending.
-_REQUEUE = """
+_REQUEUE = """#!lua
 redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 """
@@ -102,12 +122,25 @@ class Streams:
         self.pending_tokens_key = keys.pending_tokens_key(queue)
 
     def ensure_group(self) -> None:
-        """Create the jobs stream and consumer group if missing (idempotent)."""
+        """Create the jobs stream and consumer group if missing (idempotent). An existing
+        group is never an error, also while Redis is full: XGROUP CREATE is refused under
+        OOM even when the group exists, so the group is looked up first (a read), and an OOM
+        refusal is re-checked against the group before it is raised."""
+        if self._group_exists():
+            return
         try:
             self.r.xgroup_create(self.jobs, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        except redis.ResponseError as exc:  # OutOfMemoryError is one
+            if "BUSYGROUP" in str(exc) or self._group_exists():
+                return
+            raise
+
+    def _group_exists(self) -> bool:
+        try:
+            groups = self.r.xinfo_groups(self.jobs)
+        except redis.ResponseError:  # no such stream yet
+            return False
+        return any(g["name"] in (self.group, self.group.encode()) for g in groups)
 
     def submit(
         self,

@@ -5,7 +5,7 @@ Every process a job crosses (producer, consumer leader) configures the sink once
     tracing.configure_sink(RedisSpanSink(client, queue), process="consumer gpu3-dp0")
 
 and `teacherq trace` reads them back with `TraceStore`. Layout (all keys of the queue's hash
-slot, all expiring after TRACE_TTL_S):
+slot, all expiring after `queue.trace_ttl_s`, TRACE_TTL_S by default):
 
 - `teacherq:{q}:trace:<trace_id>`  list of compact JSON span records, capped at
   TRACE_MAX_SPANS (a trainer that wraps all its submits in one span makes one huge trace);
@@ -18,11 +18,17 @@ slot, all expiring after TRACE_TTL_S):
 Writes go through a background thread that pipelines whatever accumulated, so a batch of 64
 jobs costs a round trip or two, not hundreds; tracing is best-effort and never blocks or
 breaks the traced code (a full buffer or a Redis error drops records and counts them).
+
+Retention you can budget: traces are most of a small job's Redis memory (docs/deploy.md), so
+they have their own TTL (`queue.trace_ttl_s`) and a sampling rate (`queue.trace_sample_rate`):
+a trace is kept or dropped as a whole, decided from its trace id alone, so every process a
+job crosses makes the same choice without talking to the others.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import threading
 import time
@@ -71,8 +77,10 @@ class RedisSpanSink:
         flush_interval_s: float = 0.2,
         flush_at: int = 500,
         max_buffer: int = 100_000,
+        sample_rate: float = 1.0,
     ) -> None:
         self.r = client
+        self.sample_rate = sample_rate
         self.queue = queue
         self.ttl_s = ttl_s
         self.max_spans = max_spans_per_trace
@@ -89,7 +97,10 @@ class RedisSpanSink:
         atexit.register(self.close)
 
     def __call__(self, record: SpanRecord) -> None:
-        """Buffer one record (never blocks on Redis)."""
+        """Buffer one record (never blocks on Redis); records of unsampled traces are
+        dropped here."""
+        if self.sample_rate < 1.0 and not sampled(str(record["trace_id"]), self.sample_rate):
+            return
         with self._lock:
             if len(self._buf) == self._buf.maxlen:
                 self.dropped += 1  # the deque drops the oldest: keep the newest spans
@@ -164,11 +175,27 @@ class RedisSpanSink:
         atexit.unregister(self.close)
 
 
-def install_sink(client: redis.Redis, queue: str, *, process: str | None = None) -> RedisSpanSink:
+def sampled(trace_id: str, rate: float) -> bool:
+    """Whether a trace is kept at sampling `rate`: the same answer in every process."""
+    if rate >= 1.0:
+        return True
+    digest = hashlib.blake2b(trace_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < rate * 2**64
+
+
+def install_sink(
+    client: redis.Redis,
+    queue: str,
+    *,
+    process: str | None = None,
+    ttl_s: int = TRACE_TTL_S,
+    sample_rate: float = 1.0,
+) -> RedisSpanSink:
     """Record this process's finished spans to Redis (call once in main(); a trainer calls it
     to have its `submit` spans in `teacherq trace`). Returns the sink; `close()` it on exit
-    (also done at interpreter exit)."""
-    sink = RedisSpanSink(client, queue)
+    (also done at interpreter exit). Pass the queue's `trace_ttl_s` and `trace_sample_rate`
+    settings so every process keeps the same traces for the same time."""
+    sink = RedisSpanSink(client, queue, ttl_s=ttl_s, sample_rate=sample_rate)
     configure_sink(sink, process=process)
     return sink
 
