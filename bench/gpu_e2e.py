@@ -382,27 +382,25 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
             "samples_only": dict(top_k=0, sample_n=SAMPLES, want_entropy=False),
         }
         for fused in (True, False):
-            tp_ops.FUSED_KERNELS = fused and not args.no_fused
+            use_kernels = fused and not args.no_fused
             for kind, kw in kinds.items():
                 n = args.iters if fused else 1  # the reference path takes seconds a call
                 res[f"head_{kind}_{'fused' if fused else 'reference'}"] = _timed(
-                    lambda kw=kw, ha=head_args: tp_ops.chunked_head(**ha, **kw),
-                    iters=n, warmup=1 if fused else 0, cuda=cuda,
-                )  # fmt: skip
-        tp_ops.FUSED_KERNELS = not args.no_fused
+                    lambda kw=kw, ha=head_args, f=use_kernels: tp_ops.chunked_head(
+                        **ha, **kw, fused=f
+                    ),
+                    iters=n,
+                    warmup=1 if fused else 0,
+                    cuda=cuda,
+                )
         del hidden
     out["check"] = _head_check(scorer, vocab, args.seqlens[0])
     return out
 
 
 def _kernel_mode(args: argparse.Namespace) -> str:
-    """Apply --no-fused in this process; returns the mode's name."""
-    from consumer import tp_ops
-
-    if args.no_fused:
-        tp_ops.FUSED_KERNELS = False
-        return "reference (no fused kernels)"
-    return "fused"
+    """The head's mode under --no-fused (the scorer's `fused_head`), by name."""
+    return "reference (no fused kernels)" if args.no_fused else "fused"
 
 
 def consumer_child(args: argparse.Namespace) -> int:
@@ -419,7 +417,6 @@ def consumer_child(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=0)
-    _kernel_mode(args)
     cfg = MODELS[args.model]
     spec = spec_from_hf_config(cfg)
     report: dict = {}
@@ -436,8 +433,15 @@ def consumer_child(args: argparse.Namespace) -> int:
         cuda = device.type == "cuda"
         report["weights_gib"] = _gib(torch.cuda.memory_allocated() if cuda else None)
         graphs = service.graphed_forward(model, settings, layout, device)
-        scorer = Scorer(model=model, spec=spec, layout=layout, device=device,
-                        chunk_rows=settings.consumer.head_chunk_rows, graphs=graphs)  # fmt: skip
+        scorer = Scorer(
+            model=model,
+            spec=spec,
+            layout=layout,
+            device=device,
+            chunk_rows=settings.consumer.head_chunk_rows,
+            graphs=graphs,
+            fused_head=not args.no_fused,
+        )
         if not report.get("direct"):
             report["direct"] = _direct(scorer, args, cfg)
             _instrument_scoring()
