@@ -41,6 +41,13 @@ A row with more than `cap` candidates (hundreds of columns tied at t0) is flagge
 number of classes or the shard's real columns is not taken (local_reduce returns None).
 Values agree with the reference to fp32 rounding (sums run in another order, with another
 exp); ids (top-k and samples) agree exactly.
+
+Shape legend (suffixes on tensor names):
+    T  rows of the call;  R  rows of one chunk
+    V  columns of this rank's vocabulary shard
+    W  target ids per row;  K  top-k entries per row;  N  samples per row
+    G  sampling blocks of the shard;  P  parts a row is streamed in (step 1)
+    C  candidate slots per row (`cap`, step 3)
 """
 
 from __future__ import annotations
