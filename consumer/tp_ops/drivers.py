@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -279,6 +279,48 @@ def head_from_logits(
     return _run_chunks(call, deferred=False).result()
 
 
+@overload
+def chunked_head(
+    *,
+    hidden_TH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    shard: VocabShard,
+    tp_group: dist.ProcessGroup | None,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+    want_entropy: bool,
+    chunk_rows: int | None = None,
+    comm: CommStats | None = None,
+    deferred: Literal[False] = False,
+    fused: bool = True,
+) -> HeadOutputs: ...
+
+
+@overload
+def chunked_head(
+    *,
+    hidden_TH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    shard: VocabShard,
+    tp_group: dist.ProcessGroup | None,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+    want_entropy: bool,
+    chunk_rows: int | None = None,
+    comm: CommStats | None = None,
+    deferred: Literal[True],
+    fused: bool = True,
+) -> PendingHead: ...
+
+
 @torch.no_grad()
 def chunked_head(
     *,
@@ -297,7 +339,7 @@ def chunked_head(
     comm: CommStats | None = None,
     deferred: bool = False,
     fused: bool = True,
-) -> Any:  # HeadOutputs; PendingHead when deferred
+) -> HeadOutputs | PendingHead:
     """Like head_from_logits, producing each chunk's logits as hidden_chunk @ weight_VH.T.
 
     hidden_TH: [T, H] final hidden states (replicated on the TP group); weight_VH: this rank's
