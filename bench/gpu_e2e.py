@@ -540,7 +540,10 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
     }
     for kind, kw in kinds.items():
         out[f"head_{kind}"] = _timed_passes(
-            lambda _seed, kw=kw, ha=head_args: (tp_ops.chunked_head(**ha, **kw), rows)[1],
+            lambda _seed, kw=kw, ha=head_args: (
+                tp_ops.chunked_head(**ha, **kw, fused=not args.no_fused),
+                rows,
+            )[1],
             seeds=[0, 1, 2],
             warmup_seed=0,
             cuda=cuda,
@@ -553,13 +556,8 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
 
 
 def _kernel_mode(args: argparse.Namespace) -> str:
-    """Apply --no-fused in this process; returns the mode's name."""
-    from consumer import tp_ops
-
-    if args.no_fused:
-        tp_ops.FUSED_KERNELS = False
-        return "reference (no fused kernels)"
-    return "fused"
+    """The head's mode under --no-fused (the scorer's `fused_head`), by name."""
+    return "reference (no fused kernels)" if args.no_fused else "fused"
 
 
 def consumer_child(args: argparse.Namespace) -> int:
@@ -576,7 +574,6 @@ def consumer_child(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=0)
-    _kernel_mode(args)
     cfg = MODELS[args.model]
     spec = spec_from_hf_config(cfg)
     report: dict = {}
@@ -600,6 +597,7 @@ def consumer_child(args: argparse.Namespace) -> int:
             device=device,
             chunk_rows=settings.consumer.head_chunk_rows,
             graphs=graphs,
+            fused_head=not args.no_fused,
         )
         if not report.get("direct"):
             report["direct"] = _direct(scorer, args, cfg)

@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consumer.tp_ops import chunked_head, vocab_shard  # noqa: E402
+from consumer.tp_ops import chunked_head, vocab_shard  # noqa: E402 - after the sys.path insert
 
 TOP_K, SAMPLES = 64, 8
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -15,7 +15,7 @@ with log-probs and the entropy):
              same sampler definition, so sample ids must match exactly); their log-probs are
              read from the naive log_softmax.
 
-Bytes are counted per rank as CommStats counts an all_gather (see tp_ops._all_gather_rows):
+Bytes are counted per rank as CommStats counts an all_gather (see consumer/tp_ops/exchange.py):
 sent = this rank's input slice, received = the whole gathered output, own slice included, i.e.
 (P + 1) x slice bytes. The gather baseline is counted with that same formula. A ring
 all_gather (gloo, NCCL) actually puts 2 (P - 1) x slice bytes per rank on the wire, a factor
@@ -65,7 +65,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consumer import tp_ops  # noqa: E402
+from consumer import tp_ops  # noqa: E402 - after the sys.path insert above
 
 TOP_K, SAMPLES = 64, 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -132,6 +132,7 @@ def ours(inp: dict, args, comm: tp_ops.CommStats) -> dict:
         want_entropy=full,
         chunk_rows=args.chunk_rows,
         comm=comm,
+        fused=not args.no_fused,
     )
     result = {"labels": out.target_logprobs_TW}
     if full:
@@ -185,6 +186,7 @@ def naive_head(full_TV: torch.Tensor, inp: dict, args, probe_ids_TK=None) -> dic
             seed_T=inp["seed_T"],
             position_T=inp["position_T"],
             want_entropy=False,
+            fused=not args.no_fused,
         )
         result |= {
             "topk_ids": top.indices,
@@ -220,8 +222,6 @@ def timed(device: torch.device, barrier, fn, *fn_args):
 
 def measure(rank: int, tp: int, padded_vocab: int, device: torch.device, args) -> dict:
     """Everything one rank does for one TP size; returns what the parent reports and checks."""
-    if device.type == "cuda" and args.no_fused:
-        tp_ops.FUSED_KERNELS = False
     inp = make_inputs(rank, tp, padded_vocab, device, args)
 
     def barrier() -> None:

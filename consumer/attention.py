@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from consumer import tp_ops
+from consumer import kernels
 
 
 @dataclass
@@ -207,9 +207,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (rotate-half layout over the first `rot` dims, the rest passed through). One fused kernel
     on CUDA (consumer/kernels/rope.py); elsewhere megatron's arithmetic in x's dtype."""
     rot = 2 * cos.shape[-1]
-    kernels = tp_ops.triton_kernels(x.device)
-    if kernels is not None and rot == x.shape[-1]:
-        return kernels.rope(x, cos, sin)
+    fused = kernels.load(x.device)
+    if fused is not None and rot == x.shape[-1]:
+        return fused.rope(x, cos, sin)
     c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     x1, x2 = x[..., : rot // 2], x[..., rot // 2 : rot]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., rot:]), dim=-1)

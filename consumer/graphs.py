@@ -122,14 +122,18 @@ class GraphedForward:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 hidden = eager_forward(self.model, static_ids, static_pos, bounds)
-        except Exception as exc:  # noqa: BLE001 - fall back to eager forwards for good
+        except Exception as exc:  # any capture failure: eager forwards for good
             self.enabled = False
             self._graphs.clear()
             log.warning("cuda_graphs.disabled", error=f"{type(exc).__name__}: {exc}")
             return None
         self.captures += 1
-        log.info("cuda_graphs.captured", tokens=int(ids_P.shape[0]),
-                 segments=len(bounds.segments), graphs=len(self._graphs) + 1)  # fmt: skip
+        log.info(
+            "cuda_graphs.captured",
+            tokens=int(ids_P.shape[0]),
+            segments=len(bounds.segments),
+            graphs=len(self._graphs) + 1,
+        )
         entry = _Graph(graph, static_ids, static_pos, hidden, bounds)
         self._graphs[key] = entry
         return entry

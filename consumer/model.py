@@ -3,7 +3,7 @@
 `ModelSpec` is the architecture in plain numbers (what a Hugging Face config.json or a Megatron
 checkpoint describes); `build_model` turns it into a `TeacherGPTModel` on this rank's shard of the
 tensor-parallel layout. The model stops before the output layer: the teacher head
-(`consumer/tp_ops.py`) multiplies hidden states by the vocab-parallel output weight in row chunks,
+(`consumer/tp_ops/`) multiplies hidden states by the vocab-parallel output weight in row chunks,
 so no [tokens, vocab] logits tensor is ever materialised.
 """
 
@@ -18,7 +18,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional as F
 
-from consumer import tp_ops
+from consumer import kernels
 from consumer.attention import SdpaCoreAttention, TreeBounds
 from consumer.parallel import ParallelLayout
 
@@ -150,9 +150,9 @@ class TeacherMLP(MLP):
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of fc1's output [..., 2 * ffn] = [gate | up]."""
-    kernels = tp_ops.triton_kernels(x.device)
-    if kernels is not None:
-        return kernels.swiglu(x)
+    fused = kernels.load(x.device)
+    if fused is not None:
+        return fused.swiglu(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

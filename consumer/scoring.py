@@ -37,6 +37,7 @@ class Scorer:
     device: torch.device
     chunk_rows: int = 1024
     graphs: GraphedForward | None = None  # CUDA graphs of recurring layouts (see graphs.py)
+    fused_head: bool = True  # the head's fused kernels where they run (tp_ops.chunked_head)
 
     @property
     def shard(self) -> tp_ops.VocabShard:
@@ -155,6 +156,7 @@ class Scorer:
                     want_entropy=bool(batch.entropy_J[jobs].any()),
                     chunk_rows=self.chunk_rows,
                     deferred=True,
+                    fused=self.fused_head,
                 )
                 passes.append(_Pass(jobs, plan, pending, _host(pending.out, wait=False)))
         done = None

@@ -1,8 +1,7 @@
 """Fused Triton kernels on CUDA: the teacher head, and two of the forward's elementwise steps.
 
-`consumer.tp_ops` dispatches each row chunk here when its logits live on a CUDA device and
-Triton imports; everywhere else (and whenever `tp_ops.FUSED_KERNELS` is False) the PyTorch
-reference path in tp_ops runs, and it stays the definition of every output:
+The PyTorch reference path (`consumer/tp_ops/`) stays the definition of every head output;
+these kernels compute the same on CUDA, faster:
 
 - `rowstats.local_reduce`: everything one rank contributes (max, rest sums, entropy sums,
   top-k candidates, target logits, samples) from the bf16/fp16/fp32 logits, chunk by chunk,
@@ -13,18 +12,56 @@ reference path in tp_ops runs, and it stays the definition of every output:
   SplitMix64 hash, same fp32 exp and fp64 noise, same tie rules; helpers in `gumbel`);
 - `swiglu.swiglu` and `rope.rope`: the MLP's SwiGLU and the rotary embedding of q and k in
   one pass each (`consumer.model.TeacherMLP`, `consumer.attention.apply_rope`; PyTorch
-  elsewhere). They do not follow `FUSED_KERNELS`, which switches the head only.
+  elsewhere).
 
-`tp_ops.triton_kernels(device)` returns this package where it runs. Importing this package
-raises ImportError when Triton is missing; tp_ops treats that as "use the reference path".
+Imports run one way: the kernels import the shared leaf `consumer.head_common`, never
+`consumer.tp_ops`; the callers (`tp_ops.drivers`, `model`, `attention`) ask `load(device)`
+for the kernels and take their PyTorch path when it returns None. This file imports no
+Triton itself: the submodules do, and `load` turns their ImportError into None.
 """
 
 from __future__ import annotations
 
-import triton  # noqa: F401 - fail the import here when Triton is missing
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from consumer.kernels.rope import rope
-from consumer.kernels.rowstats import gumbel_argmax, local_reduce
-from consumer.kernels.swiglu import swiglu
+import torch
 
-__all__ = ["gumbel_argmax", "local_reduce", "rope", "swiglu"]
+from consumer.head_common import LocalReduction
+
+__all__ = ["Kernels", "load", "triton_kernels"]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The fused kernels' entry points (see the submodules for their arguments)."""
+
+    local_reduce: Callable[..., LocalReduction | None]  # rowstats.local_reduce
+    gumbel_argmax: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    swiglu: Callable[[torch.Tensor], torch.Tensor]
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load(device: torch.device) -> Kernels | None:
+    """The kernels for tensors on `device`, or None where they do not run (not CUDA, or no
+    Triton): the caller's PyTorch path serves then."""
+    if device.type != "cuda":
+        return None
+    return triton_kernels()
+
+
+@functools.cache
+def triton_kernels() -> Kernels | None:
+    """The kernels whatever the device (Triton's CPU interpreter, TRITON_INTERPRET=1, runs
+    them on CPU tensors), or None when Triton does not import. Loaded once."""
+    try:
+        from consumer.kernels import rope, rowstats, swiglu
+    except ImportError:  # no Triton here: the reference path serves CUDA as well
+        return None
+    return Kernels(
+        local_reduce=rowstats.local_reduce,
+        gumbel_argmax=rowstats.gumbel_argmax,
+        swiglu=swiglu.swiglu,
+        rope=rope.rope,
+    )

@@ -1,6 +1,7 @@
-"""Triton helpers for the two-level Gumbel-max samples, bit-identical to tp_ops.
+"""Triton helpers for the two-level Gumbel-max samples, bit-identical to the reference.
 
-For row r and sample j, tp_ops defines (see `tp_ops.sampling_hash`, `tp_ops._local_samples`):
+For row r and sample j, the reference path defines (see `tp_ops.sampling_hash` and
+`consumer.tp_ops.local.local_samples`):
 
     hash(c) = mix64(stream_key[r, j] + c * 0x9E3779B97F4A7C15)             (mod 2**64)
     g(h)    = -log(-log(u)),  u = (2 * (h >>> 12) + 1) / 2**53               (fp64)
@@ -29,19 +30,27 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from consumer import tp_ops
+from consumer.head_common import (
+    EXP2_COEFFS,
+    EXP2_FLOOR,
+    LOG2E_F32,
+    MIX64_M1,
+    MIX64_M2,
+    SPLITMIX_GAMMA,
+    signed64,
+)
 
-# SplitMix64 constants as signed 64-bit words (tp_ops._signed64 of the unsigned values).
-_GAMMA = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15
-_MIX_M1 = tl.constexpr(-4658895280553007687)  # 0xBF58476D1CE4E5B9
-_MIX_M2 = tl.constexpr(-7723592293110705685)  # 0x94D049BB133111EB
+# SplitMix64 constants as signed 64-bit words (Triton's int64 constants are signed).
+_GAMMA = tl.constexpr(signed64(SPLITMIX_GAMMA))
+_MIX_M1 = tl.constexpr(signed64(MIX64_M1))
+_MIX_M2 = tl.constexpr(signed64(MIX64_M2))
 _MASK52 = tl.constexpr(0xFFFFFFFFFFFFF)
 _TWO_M52 = tl.constexpr(2.0**-52)
 _TWO_M53 = tl.constexpr(2.0**-53)
 # tp_ops.sampling_exp's constants (all exact in fp32).
-_C0, _C1, _C2, _C3, _C4, _C5 = (tl.constexpr(c) for c in tp_ops._EXP2_COEFFS)
-_LOG2E = tl.constexpr(tp_ops._LOG2E_F32)
-_EXP2_FLOOR = tl.constexpr(tp_ops._EXP2_FLOOR)
+_C0, _C1, _C2, _C3, _C4, _C5 = (tl.constexpr(c) for c in EXP2_COEFFS)
+_LOG2E = tl.constexpr(LOG2E_F32)
+_EXP2_FLOOR = tl.constexpr(EXP2_FLOOR)
 
 
 def interpreting() -> bool:
@@ -154,9 +163,17 @@ def margin(best):
 
 @triton.jit
 def draw_in_block(
-    row_ptr, inv, skey, best_block, live, valid, start, offset,
-    WIDTH: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
+    row_ptr,
+    inv,
+    skey,
+    best_block,
+    live,
+    valid,
+    start,
+    offset,
+    WIDTH: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """Step 2 for samples [NS] (live: the real ones) whose blocks are best_block: the block's
     exact key (step 1), the local column drawn and its tempered logit."""
     ws = tl.arange(0, WIDTH)

@@ -19,9 +19,17 @@ import triton.language as tl
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_row_stride, x_head_stride,
-    HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    heads,
+    x_row_stride,
+    x_head_stride,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF_P2)
@@ -48,7 +56,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     block_h = min(triton.next_power_of_2(heads), max(1, 4096 // triton.next_power_of_2(half)))
     grid = (rows, triton.cdiv(heads, block_h))
     _rope_kernel[grid](
-        x, cos, sin, out, heads, x.stride(0), x.stride(1),
-        HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_H=block_h,
-    )  # fmt: skip
+        x,
+        cos,
+        sin,
+        out,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        HALF=half,
+        HALF_P2=triton.next_power_of_2(half),
+        BLOCK_H=block_h,
+    )
     return out

@@ -1,13 +1,13 @@
-"""One rank's reduction (tp_ops.LocalReduction) from its logits, chunk by chunk, in Triton.
+"""One rank's reduction (head_common.LocalReduction) from its logits, chunk by chunk, in Triton.
 
-The reference path (`tp_ops._local_reduce`) materialises z = fp32(logits * inv_temperature)
+The reference path (`tp_ops.local.local_reduce`) materialises z = fp32(logits * inv_temperature)
 as an [R, V] tensor and runs a dozen full-size passes over it (max, gather, top-k with a tie
 fix, exp, scatter, sums, entropy), plus ~30 per sample. Here each logits chunk is read once
 in its own dtype, and a second time only where the top-k can lie; the kernels keep per-row
 results, and the PyTorch steps after them run once for all rows.
 
 1. `_row_pass_kernel` streams each row (in a few parts, so the device fills up) in the
-   sampling blocks of tp_ops (SAMPLE_BLOCK global ids; `tp_ops.block_layout`). Per block b
+   sampling blocks (SAMPLE_BLOCK global ids; `head_common.block_layout`). Per block b
    it takes the max m_b, the mass s_b = sum exp(z - m_b) and, for the entropy,
    u_b = sum exp(z - m_b) * (z - m_b); it folds them into the row's max and sums (rescaled
    as the max grows) and, with top-k, stores them ([R, G] each, G ~ V / 128) along with the
@@ -37,10 +37,17 @@ results, and the PyTorch steps after them run once for all rows.
    is added back so the rest mass stays a sum of positive terms as in the reference.
 
 A row with more than `cap` candidates (hundreds of columns tied at t0) is flagged in
-`overflow_R` and tp_ops redoes the call on the reference path; a call with k above the
+`overflow_R` and tp_ops' driver redoes the call on the reference path; a call with k above the
 number of classes or the shard's real columns is not taken (local_reduce returns None).
 Values agree with the reference to fp32 rounding (sums run in another order, with another
 exp); ids (top-k and samples) agree exactly.
+
+Shape legend (suffixes on tensor names):
+    T  rows of the call;  R  rows of one chunk
+    V  columns of this rank's vocabulary shard
+    W  target ids per row;  K  top-k entries per row;  N  samples per row
+    G  sampling blocks of the shard;  P  parts a row is streamed in (step 1)
+    C  candidate slots per row (`cap`, step 3)
 """
 
 from __future__ import annotations
@@ -52,7 +59,15 @@ import torch
 import triton
 import triton.language as tl
 
-from consumer import tp_ops
+from consumer.head_common import (
+    NEG_INF,
+    SAMPLE_BLOCK,
+    SENTINEL_ID,
+    LocalReduction,
+    VocabShard,
+    block_layout,
+    order_key,
+)
 from consumer.kernels.gumbel import (
     block_noise,
     draw_in_block,
@@ -320,7 +335,7 @@ def _candidates_kernel(
 class _Layout:
     """How step 1 covers a shard's rows: parts per row, blocks per part, sample programs."""
 
-    offset: int  # tp_ops.block_layout
+    offset: int  # head_common.block_layout
     n_blocks: int
     span: int  # blocks per part, whole steps
     parts: int
@@ -331,13 +346,13 @@ class _Layout:
     @staticmethod
     def of(start: int, valid: int, chunk_rows: int, n: int) -> _Layout:
         cfg = CONFIG
-        offset, n_blocks = tp_ops.block_layout(start, valid)
+        offset, n_blocks = block_layout(start, valid)
         ns = min(cfg.samples_per_program, triton.next_power_of_2(n)) if n else 1
         per_row = triton.cdiv(n, ns) if n else 1
         steps = triton.cdiv(n_blocks, cfg.blocks_per_step)
         want = max(1, min(triton.cdiv(cfg.target_programs, max(chunk_rows * per_row, 1)), steps))
         span = triton.cdiv(steps, want) * cfg.blocks_per_step
-        classes = cfg.blocks_per_step * tp_ops.SAMPLE_BLOCK
+        classes = cfg.blocks_per_step * SAMPLE_BLOCK
         return _Layout(offset, n_blocks, span, triton.cdiv(n_blocks, span), ns, per_row, classes)
 
 
@@ -366,7 +381,7 @@ def _row_pass(
         stats if keys_RN is None or not n else keys_RN,  # unused tensors: any pointer
         stats, *blocks, *samples,
         valid, start, lay.offset, lay.n_blocks, lay.span, n, cfg.sample_margin,
-        NS=lay.ns, BLOCKS=cfg.blocks_per_step, WIDTH=tp_ops.SAMPLE_BLOCK,
+        NS=lay.ns, BLOCKS=cfg.blocks_per_step, WIDTH=SAMPLE_BLOCK,
         SAMPLES=n > 0, WANT_U=want_entropy, STORE_BLOCKS=store_blocks,
         INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # The samples' arithmetic must round as the reference does (see gumbel).
@@ -392,7 +407,7 @@ def _merge_parts(
     w_RP = torch.where(live_RP, torch.exp(shift_RP), 0.0)
     s_R = (w_RP * s_RP).sum(dim=1)
     u_R = (w_RP * (u_RP + shift_RP * s_RP)).sum(dim=1)
-    best_R1N = tp_ops._order_key(skey_RPN, sid_RPN).argmax(dim=1, keepdim=True)
+    best_R1N = order_key(skey_RPN, sid_RPN).argmax(dim=1, keepdim=True)
     skey_RN, sid_RN, sz_RN = (t.gather(1, best_R1N).squeeze(1) for t in (skey_RPN, sid_RPN, sz_RPN))
     return torch.stack([m_R, s_R, u_R], dim=1), skey_RN, sid_RN, sz_RN
 
@@ -420,7 +435,7 @@ def gumbel_argmax(
     valid: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per (row, sample): the best Gumbel key over the first `valid` columns, its global id
-    (`start` + column) and its tempered logit; what `tp_ops._local_samples` returns.
+    (`start` + column) and its tempered logit; what `tp_ops.local.local_samples` returns.
 
     logits_RV: [R, >= valid] float logits; inv_temperature_R: [R]; keys_RN: int64 [R, N]
     stream keys (`tp_ops.stream_keys`). Requires valid >= 1.
@@ -432,9 +447,15 @@ def gumbel_argmax(
     out = _step1_buffers(rows, lay, n, logits_RV.device)
     if rows:
         _row_pass(
-            logits_RV, inv_temperature_R.float().contiguous(), keys_RN.contiguous(), lay,
-            start=start, valid=valid, want_entropy=False, out=out,
-        )  # fmt: skip
+            logits_RV,
+            inv_temperature_R.float().contiguous(),
+            keys_RN.contiguous(),
+            lay,
+            start=start,
+            valid=valid,
+            want_entropy=False,
+            out=out,
+        )
     _, skey_RN, sid_RN, sz_RN = _merge_parts(out)
     return skey_RN, sid_RN, sz_RN
 
@@ -444,14 +465,14 @@ def local_reduce(
     logits_chunk: Callable[[int, int], torch.Tensor],
     rows: int,
     chunk_rows: int,
-    shard: tp_ops.VocabShard,
+    shard: VocabShard,
     target_ids_TW: torch.Tensor,
     inv_temperature_T: torch.Tensor,
     keys_TN: torch.Tensor | None,
     top_k: int,
     want_entropy: bool,
-) -> tp_ops.LocalReduction | None:
-    """This rank's contribution for all `rows`, as `tp_ops._local_reduce` computes it for a
+) -> LocalReduction | None:
+    """This rank's contribution for all `rows`, as `tp_ops.local.local_reduce` computes it for a
     chunk. The logits come in row chunks of `chunk_rows` from `logits_chunk(r0, r1)` (each
     [r1 - r0, shard.size]); the kernels keep per-row results only, so the PyTorch work that
     follows them runs once for all rows.
@@ -499,42 +520,55 @@ def local_reduce(
         local_RW = target_ids_TW[r0:r1] - shard.start
         owned_RW = (local_RW >= 0) & (local_RW < valid)
         tz_RW = logits_RV.gather(1, local_RW.clamp(0, width - 1)).float() * inv_T[r0:r1, None]
-        tz_TW[r0:r1] = torch.where(owned_RW, tz_RW, tp_ops._NEG_INF)
+        tz_TW[r0:r1] = torch.where(owned_RW, tz_RW, NEG_INF)
         part = {key: t[r0:r1] for key, t in out.items()}
         if k:
             part.update((key, t[: r1 - r0]) for key, t in scratch.items())
         _row_pass(
-            logits_RV, inv_T[r0:r1], None if keys is None else keys[r0:r1], lay,
-            start=shard.start, valid=valid, want_entropy=want_entropy, out=part,
-        )  # fmt: skip
+            logits_RV,
+            inv_T[r0:r1],
+            None if keys is None else keys[r0:r1],
+            lay,
+            start=shard.start,
+            valid=valid,
+            want_entropy=want_entropy,
+            out=part,
+        )
         if k:
             _candidates_kernel[(r1 - r0,)](
                 logits_RV, logits_RV.stride(0), inv_T[r0:r1], part["stats"], part["gmax"],
                 part["bm"], part["bs"], part["bu"], sel_RG,
                 cz_TC[r0:r1], cid_TC[r0:r1], count_T[r0:r1], rest_T2[r0:r1],
                 valid, lay.offset, lay.n_blocks, lay.parts, k, cap,
-                BLOCKS=CONFIG.blocks_per_step, WIDTH=tp_ops.SAMPLE_BLOCK, TILE=1024,
+                BLOCKS=CONFIG.blocks_per_step, WIDTH=SAMPLE_BLOCK, TILE=1024,
                 WANT_U=want_entropy, num_warps=CONFIG.num_warps,
             )  # fmt: skip
         del logits_RV  # before the next chunk's logits exist: one chunk at a time
 
     stats_T3, skey_TN, sid_TN, sz_TN = _merge_parts(out)
-    cand_val_TK = torch.full((rows, top_k), tp_ops._NEG_INF, device=device)
-    cand_id_TK = torch.full((rows, top_k), tp_ops._SENTINEL_ID, dtype=torch.int64, device=device)
+    cand_val_TK = torch.full((rows, top_k), NEG_INF, device=device)
+    cand_id_TK = torch.full((rows, top_k), SENTINEL_ID, dtype=torch.int64, device=device)
     overflow_T = torch.zeros(rows, dtype=torch.bool, device=device)
     if k:
         m_T = stats_T3[:, 0]
         s_T = rest_T2[:, 0]
         u_T = rest_T2[:, 1] if want_entropy else torch.zeros_like(s_T)
         val_TK, id_TK, s_T, u_T = _select_topk(
-            cz_TC, cid_TC, count_T, m_T, s_T, u_T, k=k, start=shard.start,
+            cz_TC,
+            cid_TC,
+            count_T,
+            m_T,
+            s_T,
+            u_T,
+            k=k,
+            start=shard.start,
             want_entropy=want_entropy,
-        )  # fmt: skip
+        )
         cand_val_TK[:, :k] = val_TK
         cand_id_TK[:, :k] = id_TK
         stats_T3 = torch.stack([m_T, s_T, u_T], dim=1)
         overflow_T = count_T > cap
-    return tp_ops.LocalReduction(
+    return LocalReduction(
         stats_R3=stats_T3,
         tz_RW=tz_TW,
         cand_val_RK=cand_val_TK,
@@ -560,13 +594,13 @@ def _select_topk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 4: the top-k (values, global ids) among the candidates, and the rest sums with the
     other candidates' mass added back."""
-    neg_inf = tp_ops._NEG_INF
+    neg_inf = NEG_INF
     live_RC = torch.arange(cz_RC.shape[1], device=cz_RC.device) < count_R[:, None]
     cz_RC = torch.where(live_RC, cz_RC, neg_inf)
-    gid_RC = torch.where(live_RC, cid_RC.long() + start, tp_ops._SENTINEL_ID)
+    gid_RC = torch.where(live_RC, cid_RC.long() + start, SENTINEL_ID)
     # Unique keys ordered by (value desc, id asc): the first k are the top-k with no tie fix,
     # and the sums below run in an order that does not depend on the atomics.
-    _, order_RC = tp_ops._order_key(cz_RC, gid_RC).sort(dim=1, descending=True)
+    _, order_RC = order_key(cz_RC, gid_RC).sort(dim=1, descending=True)
     cz_RC, gid_RC, live_RC = (t.gather(1, order_RC) for t in (cz_RC, gid_RC, live_RC))
     rest_RC = live_RC.clone()
     rest_RC[:, :k] = False

@@ -1,4 +1,4 @@
-"""consumer.kernels (the fused Triton head) against the PyTorch reference path of tp_ops.
+"""consumer.kernels (the fused Triton head) against the PyTorch reference path (consumer.tp_ops).
 
 Samples must be bit-identical to the reference (same ids, same keys, same tempered logits),
 on CUDA and on CPU; top-k ids identical; every value equal to fp32 rounding (sums run in
@@ -6,6 +6,8 @@ another order). Vocabulary of the Qwen2.5-7B size, so the kernels loop over ~150
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,8 +18,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from consumer import kernels, tp_ops  # noqa: E402 - after the skips: kernels needs Triton
-from consumer.kernels import rowstats  # noqa: E402
+# E402: these imports follow the skips above (rowstats needs Triton).
+from consumer import kernels, tp_ops  # noqa: E402 - after the skips
+from consumer.kernels import rowstats  # noqa: E402 - after the skips
+from consumer.tp_ops.local import local_samples  # noqa: E402 - after the skips
 
 VOCAB, PADDED = 151936, 152064
 CUDA = torch.device("cuda")
@@ -73,8 +77,8 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
     a = _row_args(rows, seed=blocks)
     keys = tp_ops.stream_keys(seed_T=a["seed"], position_T=a["pos"], sample_n=n)
     z_cuda = _reference_z(logits.to(CUDA), a["inv"].to(CUDA), shard.valid_size)
-    on_cuda = tp_ops._local_samples(z_cuda, keys.to(CUDA), shard)
-    on_cpu = tp_ops._local_samples(z_cuda.cpu(), keys, shard)
+    on_cuda = local_samples(z_RV=z_cuda, keys_RN=keys.to(CUDA), shard=shard)
+    on_cpu = local_samples(z_RV=z_cuda.cpu(), keys_RN=keys, shard=shard)
     cfg = rowstats.CONFIG
     old = (cfg.blocks_per_step, cfg.samples_per_program, cfg.sample_margin)
     # The fast block choice alone, as configured, and exact keys everywhere.
@@ -83,7 +87,7 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
             blocks, per_program, margin
         )  # fmt: skip
         try:
-            got = kernels.gumbel_argmax(
+            got = rowstats.gumbel_argmax(
                 logits_RV=logits.to(CUDA),
                 inv_temperature_R=a["inv"].to(CUDA),
                 keys_RN=keys.to(CUDA),
@@ -98,21 +102,17 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
 
 
 def _head(logits: torch.Tensor, a: dict, *, fused: bool, device: torch.device, **kw) -> dict:
-    old = tp_ops.FUSED_KERNELS
-    tp_ops.FUSED_KERNELS = fused
-    try:
-        out = tp_ops.head_from_logits(
-            logits_TV=logits.to(device),
-            shard=tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=PADDED, vocab_size=VOCAB),
-            tp_group=None,
-            target_ids_TW=a["targets"].to(device),
-            inv_temperature_T=a["inv"].to(device),
-            seed_T=a["seed"].to(device),
-            position_T=a["pos"].to(device),
-            **kw,
-        )
-    finally:
-        tp_ops.FUSED_KERNELS = old
+    out = tp_ops.head_from_logits(
+        logits_TV=logits.to(device),
+        shard=tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=PADDED, vocab_size=VOCAB),
+        tp_group=None,
+        target_ids_TW=a["targets"].to(device),
+        inv_temperature_T=a["inv"].to(device),
+        seed_T=a["seed"].to(device),
+        position_T=a["pos"].to(device),
+        fused=fused,
+        **kw,
+    )
     return {k: (None if v is None else v.cpu()) for k, v in vars(out).items()}
 
 
@@ -149,7 +149,7 @@ def test_label_only_head_matches_the_reference():
     )
 
 
-def test_threshold_ties_fall_back_to_the_reference():
+def test_threshold_ties_fall_back_to_the_reference(monkeypatch):
     # A constant row ties every column at the top-k threshold: more candidates than the
     # buffer holds, so tp_ops must redo the call on the reference path.
     logits = _logits(8, dtype=torch.bfloat16, seed=5)
@@ -157,18 +157,19 @@ def test_threshold_ties_fall_back_to_the_reference():
     a = _row_args(8, seed=5)
     kw = dict(top_k=64, sample_n=4, want_entropy=True, chunk_rows=8)
     flags = []
-    original = kernels.local_reduce
 
     def spy(**k):
-        out = original(**k)
+        out = rowstats.local_reduce(**k)
         flags.append(bool(out.overflow_R.any()))
         return out
 
-    kernels.local_reduce = spy
-    try:
-        got = _head(logits, a, fused=True, device=CUDA, **kw)
-    finally:
-        kernels.local_reduce = original
+    loaded = kernels.load(CUDA)
+    assert loaded is not None
+    monkeypatch.setattr(
+        kernels, "load", lambda device: dataclasses.replace(loaded, local_reduce=spy)
+    )
+    got = _head(logits, a, fused=True, device=CUDA, **kw)
+    monkeypatch.undo()
     assert flags == [True]
     _assert_same(got, _head(logits, a, fused=False, device=torch.device("cpu"), **kw))
     assert torch.equal(got["topk_ids_TK"][4], torch.arange(64))
@@ -205,11 +206,7 @@ def test_chunked_head_fused_equals_reference_on_cuda():
     )
     outs = []
     for fused in (True, False):
-        tp_ops.FUSED_KERNELS = fused
-        try:
-            out = tp_ops.chunked_head(**args)
-        finally:
-            tp_ops.FUSED_KERNELS = True
+        out = tp_ops.chunked_head(**args, fused=fused)
         outs.append({k: (None if v is None else v.cpu()) for k, v in vars(out).items()})
     _assert_same(outs[0], outs[1])
 

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PRELUDE = textwrap.dedent(
     """
+    import dataclasses
     import sys
 
     import numpy as np
@@ -40,6 +41,7 @@ PRELUDE = textwrap.dedent(
 
     from consumer import kernels, tp_ops
     from consumer.kernels import rowstats
+    from consumer.tp_ops.local import local_samples
 
     args = [int(a) for a in sys.argv[1:]]
     """
@@ -63,7 +65,7 @@ SAMPLES = textwrap.dedent(
     z = torch.empty(rows, width)
     torch.mul(logits, inv[:, None], out=z)
     z[:, valid:] = float("-inf")
-    want = tp_ops._local_samples(z, keys, shard)
+    want = local_samples(z_RV=z, keys_RN=keys, shard=shard)
     rowstats.CONFIG.samples_per_program = per_program
     rowstats.CONFIG.blocks_per_step = 2  # and rows in parts of 2 to 4 blocks
     rowstats.CONFIG.target_programs = rows * 3
@@ -84,16 +86,16 @@ SAMPLES = textwrap.dedent(
 HEAD = textwrap.dedent(
     """
     top_k, want_entropy, bf16 = args
-    tp_ops.triton_kernels = lambda device: kernels  # the kernels take CPU tensors here
     calls = []
-    local_reduce = rowstats.local_reduce
 
     def spy(**kw):
-        out = local_reduce(**kw)
+        out = rowstats.local_reduce(**kw)
         calls.append(out is not None and not bool(out.overflow_R.any()))
         return out
 
-    kernels.local_reduce = spy
+    # The kernels take CPU tensors here: the head's driver gets them for the CPU device.
+    loaded = dataclasses.replace(kernels.triton_kernels(), local_reduce=spy)
+    kernels.load = lambda device: loaded
     rowstats.CONFIG.blocks_per_step = 4  # a few steps a row: the running rescale runs
     rowstats.CONFIG.target_programs = 36  # 12 rows in parts: the parts' merge runs
     rows, padded, vocab = 12, 9088, 9000
@@ -118,8 +120,7 @@ HEAD = textwrap.dedent(
     )
     out = {}
     for fused in (True, False):
-        tp_ops.FUSED_KERNELS = fused
-        out[fused] = vars(tp_ops.head_from_logits(**call))
+        out[fused] = vars(tp_ops.head_from_logits(**call, fused=fused))
     assert calls == [True], calls  # the kernels took the chunk and finished every row
     for name, want in out[False].items():
         got = out[True][name]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from consumer import tp_ops
+from consumer import head_common, tp_ops
 from consumer.tp_ops import (
     SAMPLE_BLOCK,
     CommStats,
@@ -31,6 +31,7 @@ from consumer.tp_ops import (
     validate_temperature,
     vocab_shard,
 )
+from consumer.tp_ops.local import local_samples
 from tests.gloo import run_gloo
 
 TP_SIZES = (1, 2, 4)
@@ -301,16 +302,16 @@ def _np_sampling_exp(y: np.ndarray) -> np.ndarray:
     """`sampling_exp`'s definition in numpy fp32 (each ufunc rounds once)."""
     f32 = np.float32
     with np.errstate(invalid="ignore"):
-        t = y.astype(f32) * f32(tp_ops._LOG2E_F32)
-        tc = np.maximum(t, f32(tp_ops._EXP2_FLOOR - 1), dtype=f32)
+        t = y.astype(f32) * f32(head_common.LOG2E_F32)
+        tc = np.maximum(t, f32(head_common.EXP2_FLOOR - 1), dtype=f32)
         tc = np.where(np.isnan(t), f32(0), tc)
         n = np.floor(tc)
         f = tc - n
-        p = np.full_like(f, f32(tp_ops._EXP2_COEFFS[0]))
-        for c in tp_ops._EXP2_COEFFS[1:]:
+        p = np.full_like(f, f32(head_common.EXP2_COEFFS[0]))
+        for c in head_common.EXP2_COEFFS[1:]:
             p = p * f + f32(c)
         scale = np.ldexp(f32(1), n.astype(np.int32)).astype(f32)
-        return np.where(t >= f32(tp_ops._EXP2_FLOOR), p * scale, f32(0))
+        return np.where(t >= f32(head_common.EXP2_FLOOR), p * scale, f32(0))
 
 
 def test_sampling_exp_matches_numpy_and_exp():
@@ -613,7 +614,9 @@ def test_a_shard_starting_inside_a_block_samples_its_own_softmax():
         position_T=torch.arange(rows, dtype=torch.int64),
         sample_n=n,
     )
-    _, id_RN, zwin_RN = tp_ops._local_samples(z_V.expand(rows, -1).contiguous(), keys_RN, shard)
+    _, id_RN, zwin_RN = local_samples(
+        z_RV=z_V.expand(rows, -1).contiguous(), keys_RN=keys_RN, shard=shard
+    )
     local = id_RN.flatten() - shard.start
     assert int(local.min()) >= 0 and int(local.max()) < shard.valid_size
     assert torch.equal(zwin_RN.flatten(), z_V[local])
@@ -717,11 +720,9 @@ def test_head_outputs_map_applies_to_every_tensor():
 
 
 def test_merge_order_is_value_then_lowest_id():
-    from consumer.tp_ops import _order_key
-
     vals = torch.tensor([1.0, 1.0, -0.0, 0.0, float("-inf"), float("-inf"), 2.5, -3.0])
     ids = torch.tensor([9, 4, 7, 3, 1, 0, 8, 2])
-    order = torch.argsort(_order_key(vals, ids), descending=True)
+    order = torch.argsort(head_common.order_key(vals, ids), descending=True)
     # Independent statement of the rule: sort by (-value, id) in Python.
     want = sorted(range(len(ids)), key=lambda i: (-float(vals[i]), int(ids[i])))
     assert order.tolist() == want
@@ -772,3 +773,41 @@ def test_a_deferred_head_gives_the_same_outputs_and_raises_only_when_collected()
     pending = chunked_head(**_hidden_args(bad), deferred=True)  # queued: no error yet
     with pytest.raises(ValueError, match="NaN or \\+inf"):
         pending.result()
+
+
+def _consumer_imports(path) -> set[str]:
+    """Every consumer.* module a source file imports (at any depth of the file)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found.update(n for n in [node.module, *names] if n.startswith("consumer"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("consumer"))
+    return found
+
+
+def test_head_imports_run_one_way():
+    """The head's import rule (docs/architecture-head.md) holds in the source: the leaf
+    imports neither path, the fused kernels never import tp_ops, and of tp_ops only the
+    drivers import the kernels."""
+    from pathlib import Path
+
+    consumer = Path(tp_ops.__file__).resolve().parents[1]
+    leaf = _consumer_imports(consumer / "head_common.py")
+    assert leaf == set(), leaf
+    for path in (consumer / "kernels").glob("*.py"):
+        bad = {m for m in _consumer_imports(path) if m.startswith("consumer.tp_ops")}
+        assert not bad, (path.name, bad)
+    modules = sorted((consumer / "tp_ops").glob("*.py"))
+    assert {p.stem for p in modules} >= {"drivers", "local", "exchange", "random_source"}
+    for path in modules:
+        bad = {m for m in _consumer_imports(path) if m.startswith("consumer.kernels")}
+        if path.stem == "drivers":
+            assert bad == {"consumer.kernels"}, bad  # the loader only
+        elif path.stem != "__init__":
+            assert not bad, (path.name, bad)
+    init = _consumer_imports(consumer / "tp_ops" / "__init__.py")
+    assert not {m for m in init if m.startswith("consumer.kernels")}, init

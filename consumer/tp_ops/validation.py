@@ -1,0 +1,113 @@
+"""The arguments of a head call, checked on the host before any collective starts, and the
+per-row inputs moved to the logits' device without a sync.
+
+Shape legend (suffixes on tensor names):
+    T  rows (scored positions) of the batch
+    W  target ids per row (may be 0)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from consumer.head_common import SENTINEL_ID, VocabShard
+
+__all__ = ["check_inputs", "group_layout", "to_device"]
+
+
+def group_layout(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in `tp_group`; (0, 1) for None (TP = 1)."""
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+
+
+def check_inputs(
+    *,
+    rows: int,
+    width: int,
+    device: torch.device,
+    shard: VocabShard,
+    rank: int,
+    tp_size: int,
+    target_ids_TW: torch.Tensor | None,
+    inv_temperature_T: torch.Tensor,
+    top_k: int,
+    sample_n: int,
+    seed_T: torch.Tensor | None,
+    position_T: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the first argument of a head call that is inconsistent (see
+    `head_from_logits` for what each must be)."""
+    if width != shard.size:
+        raise ValueError(f"logits width {width} != shard.size {shard.size}")
+    if shard.start != rank * shard.size or shard.vocab_size > shard.size * tp_size:
+        raise ValueError(
+            f"{shard} is not the shard of TP rank {rank} of {tp_size}: shards must be equal "
+            "contiguous slices in rank order (build them with vocab_shard)"
+        )
+    if shard.size * tp_size >= SENTINEL_ID:
+        raise ValueError("padded vocabulary does not fit the 31-bit id exchange")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    if top_k > shard.vocab_size:
+        raise ValueError(f"top_k {top_k} exceeds the vocabulary size {shard.vocab_size}")
+    if isinstance(sample_n, bool) or not isinstance(sample_n, int) or sample_n < 0:
+        raise ValueError(f"sample_n must be an int >= 0, got {sample_n!r}")
+
+    if not inv_temperature_T.is_floating_point() or tuple(inv_temperature_T.shape) != (rows,):
+        raise ValueError(
+            f"inv_temperature_T must be a float tensor of shape [{rows}], got "
+            f"{inv_temperature_T.dtype} {tuple(inv_temperature_T.shape)}"
+        )
+    _check_device("inv_temperature_T", inv_temperature_T, device)
+    inv32 = inv_temperature_T.float()
+    if rows and not bool((torch.isfinite(inv32) & (inv32 > 0)).all()):
+        raise ValueError(
+            "inv_temperature_T must hold finite values > 0, i.e. temperatures that are finite "
+            "and > 0 (use validate_temperature)"
+        )
+
+    if target_ids_TW is not None:
+        if target_ids_TW.dtype != torch.int64 or target_ids_TW.dim() != 2:
+            raise ValueError(
+                f"target_ids_TW must be an int64 [T, W] tensor, got {target_ids_TW.dtype} "
+                f"{tuple(target_ids_TW.shape)}"
+            )
+        if target_ids_TW.shape[0] != rows:
+            raise ValueError(f"target_ids_TW has {target_ids_TW.shape[0]} rows, logits {rows}")
+        _check_device("target_ids_TW", target_ids_TW, device)
+        if target_ids_TW.numel():
+            lo, hi = int(target_ids_TW.min()), int(target_ids_TW.max())
+            if lo < 0 or hi >= shard.vocab_size:
+                raise ValueError(
+                    f"target ids must lie in [0, vocab_size={shard.vocab_size}), got values in "
+                    f"[{lo}, {hi}]"
+                )
+
+    if sample_n:
+        for name, ten in (("seed_T", seed_T), ("position_T", position_T)):
+            if ten is None:
+                raise ValueError(f"{name} is required when sample_n > 0")
+            if ten.dtype != torch.int64 or tuple(ten.shape) != (rows,):
+                raise ValueError(
+                    f"{name} must be an int64 tensor of shape [{rows}], got {ten.dtype} "
+                    f"{tuple(ten.shape)}"
+                )
+            _check_device(name, ten, device)
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device and t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, logits on {device} (or pass it on the CPU)")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; from the host to CUDA through pinned memory, so the copy does not wait
+    for work already queued on the device (a plain `.to` would sync)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
