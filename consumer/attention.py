@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from consumer import kernels
+from consumer.tp_ops import to_device
 
 
 @dataclass
@@ -127,7 +128,7 @@ class VarlenLayout:
             kv_rows = np.concatenate(
                 [np.r_[c0:c1, start:end] for start, end, c0, c1 in segments]
             ).astype(np.int64)
-        to = tp_ops.to_device
+        to = to_device
         return cls(
             cu_q=to(torch.from_numpy(cu_q), device),
             cu_k=to(torch.from_numpy(cu_k), device),

@@ -41,7 +41,6 @@ log = get_logger("teacherq.client")
 SUBMIT_CHUNK = 512
 
 
-
 class TeacherClient:
     """Submit jobs to a teacherq queue and collect their results.
 
