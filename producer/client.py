@@ -36,9 +36,10 @@ from shared.weights import UpdateRequest
 log = get_logger("teacherq.client")
 
 
-# Jobs enqueued per transaction: one submit call of up to this many jobs reaches the stream
-# at once (a GRPO group is far smaller); larger calls go in chunks of it.
+# Jobs of one prompt group enqueued per transaction: a group submitted in one call reaches the
+# stream at once (a GRPO group is far smaller); a larger group goes in chunks of it.
 SUBMIT_CHUNK = 512
+MEMORY_CHECK_EVERY = 64  # jobs per INFO memory round trip while submitting
 
 
 class TeacherClient:
@@ -106,15 +107,44 @@ class TeacherClient:
             )
             prepared.append((job_id, req))
         self.streams.ensure_group()
-        for at in range(0, len(prepared), SUBMIT_CHUNK):
-            self._enqueue(prepared[at : at + SUBMIT_CHUNK])
+        enqueued = 0
+        for unit in self._units(prepared):
+            if (
+                enqueued == 0
+                or enqueued // MEMORY_CHECK_EVERY != (enqueued + len(unit)) // MEMORY_CHECK_EVERY
+            ):
+                self._wait_for_memory()
+            self._enqueue(unit)
+            enqueued += len(unit)
         return [job_id for job_id, _ in prepared]
+
+    def _units(
+        self, prepared: list[tuple[str, TeacherRequest]]
+    ) -> list[list[tuple[str, TeacherRequest]]]:
+        """Adjacent jobs that will share a prompt (the same prefix_id, or the same first
+        consumer.min_shared_prefix tokens) form one unit of at most SUBMIT_CHUNK jobs; every
+        other job is a unit of its own, so unrelated jobs still spread over consumers."""
+        n = self.settings.consumer.min_shared_prefix
+        units: list[list[tuple[str, TeacherRequest]]] = []
+        last = None
+        for job_id, req in prepared:
+            if req.prefix_id is not None:
+                key: object = ("id", req.prefix_id)
+            elif n and req.num_tokens > n:
+                key = ("tokens", req.input_ids[:n].tobytes())
+            else:
+                key = None
+            if key is not None and key == last and len(units[-1]) < SUBMIT_CHUNK:
+                units[-1].append((job_id, req))
+            else:
+                units.append([(job_id, req)])
+            last = key
+        return units
 
     def _enqueue(self, jobs: list[tuple[str, TeacherRequest]]) -> None:
         """Enqueue jobs in one transaction: a consumer reads all of them or none, so the
         responses of a GRPO group submitted together meet in one batch and share their
         prompt, even when an idle consumer is blocked on the stream. One `submit` span each."""
-        self._wait_for_memory()
         self._wait_for_room(sum(req.num_tokens for _, req in jobs))
         spans = [start_span("submit", job_id=j, tokens=req.num_tokens) for j, req in jobs]
         pipe = self.r.pipeline(transaction=True)
