@@ -13,7 +13,7 @@ candidates per row; then one all_gather of O(3 + W + 2K + 3N) 32-bit words per r
 lets every rank merge the same result. Working memory is O(chunk rows x V + T x (W + K + N));
 the full [T, V] logits never need to exist.
 
-Modules, in the order a call passes through them (docs/architecture-head.md has the picture):
+Modules, in the order a call passes through them (docs/architecture.md has the picture):
     layout         VocabShard (from consumer.head_common), vocab_shard, HeadOutputs, CommStats
     temperature    validate_temperature
     random_source  the counter-based random source of the samples (the definition)

@@ -790,7 +790,7 @@ def _consumer_imports(path) -> set[str]:
 
 
 def test_head_imports_run_one_way():
-    """The head's import rule (docs/architecture-head.md) holds in the source: the leaf
+    """The head's import rule (docs/architecture.md) holds in the source: the leaf
     imports neither path, the fused kernels never import tp_ops, and of tp_ops only the
     drivers import the kernels."""
     from pathlib import Path
