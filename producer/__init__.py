@@ -1,15 +1,18 @@
 """Trainer-facing side of teacherq: submit jobs, wait for teacher outputs.
 
     from producer import TeacherClient, TeacherRequest
+    from producer import AsyncTeacherClient  # asyncio trainers
 
 This package never imports torch or megatron (except `producer.optim`, imported explicitly).
 """
 
+from producer.aio import AsyncTeacherClient
 from producer.client import TeacherClient
 from shared.errors import InvalidJob, JobFailed, QueueFull
 from shared.messages import TeacherRequest, TeacherResult
 
 __all__ = [
+    "AsyncTeacherClient",
     "InvalidJob",
     "JobFailed",
     "QueueFull",

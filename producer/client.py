@@ -10,20 +10,13 @@ from typing import Any, cast
 import redis
 import structlog
 
+from producer import protocol
 from producer.progress import WaitProgress, track_wait
 from shared import keys, weights
-from shared.errors import InvalidJob, QueueFull
-from shared.messages import (
-    Limits,
-    TeacherRequest,
-    TeacherResult,
-    check_limits,
-    content_job_id,
-    encode_job,
-    parse_request,
-)
+from shared.errors import QueueFull
+from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
 from shared.redis_server import connect
-from shared.results import decode_record, encode_record
+from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Fields, StreamReply, Streams
@@ -69,48 +62,40 @@ class TeacherClient:
 
     def limits(self) -> Limits:
         """What this queue accepts; the vocabulary comes from settings or the live consumers."""
-        q = self.settings.queue
-        vocab = self.settings.model.vocab_size
-        if vocab is None:
+        advertised = None
+        if self.settings.model.vocab_size is None:
             advertised = self.r.hget(keys.model_key(self.queue), "vocab_size")
-            vocab = int(advertised) if advertised else None
-        return Limits(
-            max_input_tokens=q.max_input_tokens,
-            max_label_width=q.max_label_width,
-            max_top_k=q.max_top_k,
-            max_sample_n=q.max_sample_n,
-            vocab_size=vocab,
-        )
+        return protocol.limits(self.settings, advertised)
 
     def submit(self, requests: Iterable[TeacherRequest | dict[str, Any]]) -> list[str]:
         """Validate and enqueue requests; returns their job ids in order.
 
         Every request is validated before any is enqueued, so one bad request raises
         InvalidJob (naming its index and the problem) and enqueues nothing. A job id that was
-        submitted before is not enqueued again: submit is idempotent.
+        submitted before is not enqueued again: submit is idempotent. Jobs without a job_id of
+        their own are named after their content and the queue's weight generation, so after
+        `update_weights` the same tokens are computed again by the new weights; a stored
+        result older than a request's `min_model_generation` is recomputed.
         """
-        limits = self.limits()
-        prepared: list[tuple[str, TeacherRequest]] = []
-        for i, raw in enumerate(requests):
-            try:
-                req = parse_request(raw)
-                check_limits(req, limits)
-            except InvalidJob as exc:
-                raise InvalidJob(f"request {i}: {exc}") from None
-            job_id = req.job_id or content_job_id(
-                req, queue=self.queue, teacher=self.settings.model.path
-            )
-            prepared.append((job_id, req))
+        generation = protocol.served_generation(
+            self.r.hget(keys.weights_key(self.queue), "generation")
+        )
+        prepared = protocol.prepare(
+            requests, limits=self.limits(), settings=self.settings, generation=generation
+        )
         self.streams.ensure_group()
         ids = []
-        for job_id, req in prepared:
+        for p in prepared:
+            req = p.request
             self._wait_for_room(req.num_tokens)
-            with span("submit", job_id=job_id, tokens=req.num_tokens) as s:
+            with span("submit", job_id=p.job_id, tokens=req.num_tokens) as s:
                 traced = req.model_copy(update={"trace": s.carrier})
-                fields = encode_job(traced, job_id=job_id)
-                entry = self.streams.submit(job_id, fields, tokens=req.num_tokens)
+                fields = encode_job(traced, job_id=p.job_id)
+                entry = self.streams.submit(
+                    p.job_id, fields, tokens=req.num_tokens, min_generation=p.min_generation
+                )
                 s.set(enqueued=entry is not None)
-            ids.append(job_id)
+            ids.append(p.job_id)
         return ids
 
     def _wait_for_room(self, tokens: int) -> None:
@@ -118,8 +103,8 @@ class TeacherClient:
         tokens than queue.max_pending_tokens. Wakes on completions, never sleep-polls."""
         q = self.settings.queue
         pending = self.streams.pending_tokens()
-        if pending + tokens <= q.max_pending_tokens or pending == 0:
-            return  # a job larger than the bound alone still goes through on an empty queue
+        if protocol.has_room(pending, tokens, self.settings):
+            return
         if q.backpressure == "raise":
             raise QueueFull(
                 f"queue {self.queue} holds {pending} pending tokens; adding {tokens} would "
@@ -130,7 +115,7 @@ class TeacherClient:
         log.info("submit.backpressure", pending_tokens=pending, limit=q.max_pending_tokens)
         while True:
             pending = self.streams.pending_tokens()
-            if pending + tokens <= q.max_pending_tokens or pending == 0:
+            if protocol.has_room(pending, tokens, self.settings):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -221,12 +206,7 @@ class TeacherClient:
     def cancel(self, job_id: str) -> None:
         """Cancel a job: it is not computed if not started yet, and a result it already has
         is replaced by a `cancelled` failure. Waiters get that failure."""
-        record = encode_record(
-            TeacherResult(job_id=job_id, error="cancelled by the user"),
-            queue=self.queue,
-            store=None,
-            inline_max_bytes=0,
-        )
+        record = protocol.cancel_record(self.queue, job_id)
         # One transaction: no consumer write can land between the delete and the rewrite.
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(keys.result_key(self.queue, job_id))
