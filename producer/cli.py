@@ -220,6 +220,32 @@ def update_weights(
 
 
 @app.command()
+def serve(
+    host: str = typer.Option(None, help="Listen address (default: gateway.host)."),
+    port: int = typer.Option(None, help="Port (default: gateway.port, 7999)."),
+    temperature: float = typer.Option(None, help="Default temperature of /generate."),
+) -> None:
+    """HTTP gateway in the API of slime's Megatron teacher server (docs/gateway.md)."""
+    from pydantic import ValidationError
+
+    from producer.gateway import serve as run_gateway
+    from shared.settings import GatewaySettings
+
+    settings = _settings()
+    given = {"host": host, "port": port, "temperature": temperature}
+    try:
+        gateway = GatewaySettings.model_validate(
+            {**settings.gateway.model_dump(), **{k: v for k, v in given.items() if v is not None}}
+        )
+    except ValidationError as exc:
+        err.print(f"[red]invalid option: {exc.errors()[0]['msg']}[/red]")
+        raise typer.Exit(2) from None
+    settings = settings.model_copy(update={"gateway": gateway})
+    _setup_logging(settings)
+    run_gateway(settings)
+
+
+@app.command()
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
     from consumer.__main__ import main
