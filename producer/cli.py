@@ -20,6 +20,26 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"teacherq {version('teacherq')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("teacherq (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    pass
+
+
 def _settings() -> Settings:
     try:
         return load_settings()
@@ -248,7 +268,19 @@ def serve(
 @app.command()
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
-    from consumer.__main__ import main
+    try:
+        import consumer.service  # noqa: F401 - loads torch and megatron, which main() needs
+        from consumer.__main__ import main
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("torch", "megatron"):
+            raise
+        # markup off: rich would read [consumer] as a style tag
+        err.print(
+            "the consumer needs torch and megatron-core: pip install 'teacherq[consumer]'",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(2) from None
 
     raise typer.Exit(main())
 
