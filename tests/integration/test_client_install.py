@@ -77,8 +77,8 @@ def test_base_install_declares_no_heavy_dependency_and_every_one_is_capped() -> 
 def test_client_path_runs_with_heavy_packages_missing(settings) -> None:
     """With torch, megatron, pyarrow, rq (and triton, transformers) unimportable, the client
     modules import, submit/cancel/wait work against a real valkey-server from both clients,
-    none of those packages (nor `consumer`) ends up loaded, `teacherq --version` and `--help` work and
-    `teacherq consumer` says which extra to install."""
+    none of those packages (nor `consumer`) ends up loaded, `teacherq --version` and `--help`
+    work and `teacherq consumer` says which extra to install."""
     env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
     code = BLOCKER + CLIENT_RUN.format(heavy=HEAVY)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
