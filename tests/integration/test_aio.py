@@ -83,7 +83,8 @@ def test_async_results_match_sync_client_and_reference(
     """End to end with a real consumer: `as_completed` yields every job once, the results equal
     the sync client's for the same ids and the full-vocab reference; bulk results come from
     object storage through the async read; ids are the sync client's (idempotent across the
-    two); `cancel` before a consumer runs gives the cancelled failure."""
+    two); `cancel` before a consumer runs gives the cancelled failure; 300 concurrent tasks
+    that each submit and wait on one client all get their own correct result."""
     s = settings.model_copy(
         update={"queue": settings.queue.model_copy(update={"inline_max_bytes": 256})}
     )
@@ -124,3 +125,21 @@ def test_async_results_match_sync_client_and_reference(
     assert any((tmp_path / "objects").rglob("*.tqa*")), "some results should be in the store"
     [still] = sync.wait([cancel_job], timeout=5)
     assert still.error == "cancelled by the user"
+
+    # Many concurrent tasks, each submitting its own job and waiting for it, on one client.
+    rng = np.random.default_rng(11)
+    many = [rng.integers(0, 1000, size=int(rng.integers(3, 12))) for _ in range(300)]
+
+    async def one(client: AsyncTeacherClient, ids: np.ndarray) -> object:
+        [job] = await client.submit([TeacherRequest(input_ids=ids)])
+        [res] = await client.wait([job], timeout=180)
+        return res
+
+    async def crowd() -> list:
+        async with AsyncTeacherClient(s) as client:
+            return await asyncio.gather(*(one(client, ids) for ids in many))
+
+    for ids, res in zip(many, asyncio.run(crowd()), strict=True):
+        assert res.ok, res.error
+        ref = tiny_full_log_softmax(ids)
+        np.testing.assert_allclose(res.logprobs, ref[np.arange(len(ids) - 1), ids[1:]], atol=2e-4)
