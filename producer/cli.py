@@ -262,7 +262,16 @@ def serve(
         raise typer.Exit(2) from None
     settings = settings.model_copy(update={"gateway": gateway})
     _setup_logging(settings)
-    run_gateway(settings)
+    try:
+        run_gateway(settings)
+    except OSError as exc:  # the listening socket (taken port, unknown address)
+        err.print(
+            f"cannot listen on {gateway.host}:{gateway.port}: {exc.strerror or exc} "
+            "(set --host/--port or TEACHERQ_GATEWAY__HOST/__PORT)",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(2) from None
 
 
 @app.command()

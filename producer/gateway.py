@@ -59,6 +59,10 @@ class Gateway:
     def __init__(self, settings: Settings, *, host: str, port: int) -> None:
         self.settings = settings
         self.g = settings.gateway
+        # Bind first: a taken port fails before anything else is started.
+        self.server = ThreadingHTTPServer((host, port), _Handler)
+        self.server.daemon_threads = True
+        self.server.gateway = self  # type: ignore[attr-defined]  # read by the handlers
         self.client = TeacherClient(settings)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
@@ -66,9 +70,6 @@ class Gateway:
         )
         self._loop_thread.start()
         self.aclient: AsyncTeacherClient = self._run(_make_async_client(settings))
-        self.server = ThreadingHTTPServer((host, port), _Handler)
-        self.server.daemon_threads = True
-        self.server.gateway = self  # type: ignore[attr-defined]  # read by the handlers
 
     @property
     def address(self) -> tuple[str, int]:
