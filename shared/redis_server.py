@@ -171,4 +171,4 @@ def connect_async(cfg: RedisSettings, *, max_connections: int = 64) -> redis.asy
         health_check_interval=30,
         client_name=f"teacherq-{os.getpid()}",
     )
-    return redis.asyncio.Redis(connection_pool=pool)
+    return redis.asyncio.Redis.from_pool(pool)  # owns the pool: closing the client closes it
