@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -30,30 +28,9 @@ from consumer.batching import batch_from_jobs  # noqa: E402
 from consumer.model import ModelSpec, build_model  # noqa: E402
 from consumer.scoring import Scorer  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
+from tests.unit.test_attention import _dense_reference, _segments  # noqa: E402
 
 CUDA = torch.device("cuda")
-
-
-def _dense_reference(q, k, v, segments) -> torch.Tensor:
-    total = q.shape[0]
-    allowed = torch.zeros(total, total, dtype=torch.bool, device=q.device)
-    for start, end, c0, c1 in segments:
-        allowed[start:end, c0:c1] = True
-        allowed[start:end, start:end] = torch.ones(end - start, end - start).tril().bool()
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    scores = torch.einsum("thd,shd->hts", q.double(), k) / math.sqrt(q.shape[-1])
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("hts,shd->thd", probs, v).reshape(total, -1)
-
-
-def _segments(spec):
-    out, at = [], 0
-    for n, ctx in spec:
-        c0, c1 = (at, at) if ctx is None else out[ctx][:2]
-        out.append((at, at + n, c0, c1))
-        at += n
-    return tuple(out)
 
 
 LAYOUTS = {
@@ -76,8 +53,8 @@ def test_varlen_matches_a_dense_reference_and_the_sdpa_path(layout: str, kv_head
     assert uses_varlen(q)
     attn = SdpaCoreAttention(config=None)
     out = attn(q, k, v, None, packed_seq_params=TreeBounds.from_segments(segments, max_position=1))
-    ref = _dense_reference(q, k, v, segments)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    ref = _dense_reference(q.cpu(), k.cpu(), v.cpu(), segments)  # float64 on the CPU
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-2, rtol=2e-2)
     per_run = attn._forward_tree(q, k, v, segments)  # the SDPA path, one call per run
     torch.testing.assert_close(out.float(), per_run.float(), atol=2e-2, rtol=2e-2)
     assert len(attention_runs(segments)) > 1  # the layouts do need several SDPA calls
