@@ -129,6 +129,10 @@ class Control:
                       serving=self.loaded.version)  # fmt: skip
             return
         self.updated_to = generation
+        served = weights.current(self.r, self.queue)
+        if served.generation == generation and served.state == "failed":
+            self.revert()  # failed on another replica while this one loaded it: serve nothing
+            return
         self.publish_model()
         live = weights.live_replicas(self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s)
         done = weights.ack_update(

@@ -210,7 +210,11 @@ def test_an_update_one_replica_cannot_load_leaves_every_replica_on_the_old_weigh
         client.update_weights(str(one_kv), timeout=120)
     assert info.value.consumer in client.consumers()
     deadline = time.monotonic() + 60
-    while {c["model_version"] for c in client.consumers().values()} != {tiny}:
+    # Every replica on the old weights and none still loading the failed update.
+    while any(
+        c["model_version"] != tiny or c["state"] == "updating"
+        for c in client.consumers().values()
+    ):
         assert time.monotonic() < deadline, client.consumers()
         time.sleep(0.2)
     versions = {_served_version(client, [1, 2, 3, n], f"two-after-{n}") for n in range(5, 11)}
