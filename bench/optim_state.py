@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producer.optim import StatelessAdam, optimizer_state_bytes  # noqa: E402 - repo on path
+from producer.optim import StatelessAdam, optimizer_state_bytes
 
 LossFn = Callable[[torch.nn.Module], torch.Tensor]
 

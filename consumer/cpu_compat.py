@@ -52,7 +52,7 @@ def _patch_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     @contextlib.contextmanager
-    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ARG001 - upstream signature
+    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
         yield
 
     mrandom.CudaRNGStatesTracker.fork = fork

@@ -122,7 +122,7 @@ class GraphedForward:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 hidden = eager_forward(self.model, static_ids, static_pos, bounds)
-        except Exception as exc:  # any capture failure: eager forwards for good
+        except Exception as exc:  # noqa: BLE001 - any capture failure: eager forwards for good
             self.enabled = False
             self._graphs.clear()
             log.warning("cuda_graphs.disabled", error=f"{type(exc).__name__}: {exc}")

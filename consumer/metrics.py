@@ -381,5 +381,5 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 class _Quiet(WSGIRequestHandler):
     """No access log on stderr: scrapes every few seconds would drown the JSON log."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+    def log_message(self, format: str, *args: Any) -> None:
         """Drop the access log line."""

@@ -58,6 +58,6 @@ def check_weights(path: str, *, tp: int) -> str | None:
 
     try:
         check_teacher(path, tp=tp)
-    except Exception as exc:  # any refusal (bad JSON, missing file) becomes the reason
+    except Exception as exc:  # noqa: BLE001 - any refusal (bad JSON, missing file) is the reason
         return describe(exc)
     return None

@@ -43,7 +43,7 @@ def _age(seconds: float | None) -> str:
 
 
 def submit_dataset_cmd(
-    input: Annotated[str, typer.Argument(help="JSONL or Parquet file: local path or s3:// URL.")],  # noqa: A002
+    input: Annotated[str, typer.Argument(help="JSONL or Parquet file: local path or s3:// URL.")],
     output: str = typer.Option(..., "--output", "-o", help="Directory or s3:// prefix."),
     queue: str = typer.Option(None, help="Queue (default: TEACHERQ_QUEUE__NAME)."),
     top_k: int = typer.Option(0, help="Top-k per position, for rows without top_k."),

@@ -82,7 +82,7 @@ def run_app(app: Callable[..., object], argv: list[str]) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return exitcodes.INTERRUPTED
-    except Exception as exc:  # the one boundary where every failure becomes a message
+    except Exception as exc:  # noqa: BLE001 - the one boundary where every failure is a message
         code, message = classify(exc)
         if debug:
             err.print_exception()

@@ -370,7 +370,7 @@ def check_megatron_config(config: Any, model_chunks: Iterable[Any] | None = None
         )
 
 
-def _no_moment_state(optimizer: Any, config: Any = None) -> None:  # noqa: ARG001 - megatron API
+def _no_moment_state(optimizer: Any, config: Any = None) -> None:
     """Stand-in for megatron's Adam init_state_fn: StatelessAdam has no state to allocate.
 
     megatron calls init_state_fn before building a state dict to load a checkpoint into

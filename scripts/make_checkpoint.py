@@ -16,7 +16,7 @@ from pathlib import Path
 # run as a script from a checkout: make the repository's packages importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from consumer.checkpoints.synthetic import FAMILIES, write_random_hf_checkpoint  # noqa: E402
+from consumer.checkpoints.synthetic import FAMILIES, write_random_hf_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,12 +7,12 @@ class TeacherqError(Exception):
     """Base of every teacherq error."""
 
 
-class InvalidJob(TeacherqError, ValueError):  # noqa: N818 - the policy name reads better
+class InvalidJob(TeacherqError, ValueError):
     """The job itself is wrong: dead-letter at once, never retry. The message says what was
     wrong and what was expected."""
 
 
-class InvalidCheckpoint(TeacherqError, ValueError):  # noqa: N818 - the policy name reads better
+class InvalidCheckpoint(TeacherqError, ValueError):
     """A checkpoint cannot be served as it is; the message names the file and the problem."""
 
 
@@ -24,7 +24,7 @@ class QueueFull(TeacherqError):
     """Submit refused by backpressure: the queue holds too many pending tokens."""
 
 
-class UnknownJob(TeacherqError, KeyError):  # noqa: N818 - reads as the problem it names
+class UnknownJob(TeacherqError, KeyError):
     """A job id this queue has never seen (a typo, or another queue): nothing was changed."""
 
     def __init__(self, job_ids: list[str], queue: str) -> None:
@@ -47,7 +47,7 @@ class JobFailed(TeacherqError):
         self.reason = reason
 
 
-class WeightUpdateFailed(TeacherqError):  # noqa: N818 - reads as the event it reports
+class WeightUpdateFailed(TeacherqError):
     """A consumer could not load the weights of an update: the update is recorded as failed
     and every consumer keeps (or returns to) the weights it served before."""
 

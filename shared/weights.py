@@ -99,7 +99,7 @@ return 1
 """
 
 
-class UpdateInProgress(TeacherqError, RuntimeError):  # noqa: N818 - a state, named as one
+class UpdateInProgress(TeacherqError, RuntimeError):
     """Another path is being loaded; the message names it."""
 
 

@@ -195,11 +195,12 @@ def _llama3_params(config: dict, scaling: dict) -> dict:
     absent = [k for k, v in wanted.items() if v is None]
     if absent:
         raise CheckpointError(f"llama3 rope scaling lacks {', '.join(absent)}")
+    present = {k: v for k, v in wanted.items() if v is not None}
     fixed = megatron_llama3_constants()
     differ = [
-        f"{k}={wanted[k]} (megatron uses {fixed[k]:g})"
+        f"{k}={present[k]} (megatron uses {fixed[k]:g})"
         for k in fixed
-        if not math.isclose(float(wanted[k]), fixed[k])
+        if not math.isclose(float(present[k]), fixed[k])
     ]
     if differ:
         raise CheckpointError(
@@ -207,8 +208,8 @@ def _llama3_params(config: dict, scaling: dict) -> dict:
             + ", ".join(differ)
             + "; megatron's GPTModel only takes the factor and fixes the rest"
         )
-    params = {k: float(v) for k, v in wanted.items()}
-    params["original_max_position_embeddings"] = int(wanted["original_max_position_embeddings"])
+    params = {k: float(v) for k, v in present.items()}
+    params["original_max_position_embeddings"] = int(present["original_max_position_embeddings"])
     return params
 
 
@@ -227,8 +228,8 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         )
     family = _family(config)
     defaults = _FAMILIES[family]
-    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    required += ("intermediate_size",)
+    required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers")
+    required += ("num_attention_heads", "intermediate_size")
     absent = [k for k in required if config.get(k) is None]
     if absent:
         raise CheckpointError(f"{family} config lacks required fields: {', '.join(absent)}")
@@ -375,15 +376,15 @@ class HfCheckpoint:
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"no *.safetensors files in {self.path}")
-        files: dict[str, Path] = {}
+        found: dict[str, Path] = {}
         for shard in shards:
             for name in self._open(shard).keys():  # noqa: SIM118 - safe_open is not a dict
-                if name in files:
+                if name in found:
                     raise CheckpointError(
-                        f"tensor {name} is stored twice: in {files[name].name} and {shard.name}"
+                        f"tensor {name} is stored twice: in {found[name].name} and {shard.name}"
                     )
-                files[name] = shard
-        return files
+                found[name] = shard
+        return found
 
     def _open(self, file: Path):
         from safetensors import safe_open

@@ -239,14 +239,13 @@ def spec_from_megatron_args(args: dict, *, vocab_size: int | None = None) -> Mod
     kv = int(get("num_query_groups", heads)) if get("group_query_attention", False) else heads
     scaling = None
     if get("use_rope_scaling", False):
+        constants = megatron_llama3_constants()
         scaling = {
             "rope_type": "llama3",
             "factor": float(get("rope_scaling_factor", 8.0)),
-            **megatron_llama3_constants(),
+            **constants,
+            "original_max_position_embeddings": int(constants["original_max_position_embeddings"]),
         }
-        scaling["original_max_position_embeddings"] = int(
-            scaling["original_max_position_embeddings"]
-        )
     elif get("rotary_seq_len_interpolation_factor"):
         scaling = {
             "rope_type": "linear",

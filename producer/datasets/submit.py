@@ -54,7 +54,7 @@ class Submitted:
 def submit_dataset(
     client: TeacherClient,
     *,
-    input: str,  # noqa: A002 - the CLI's word for it
+    input: str,
     output: str,
     options: RequestOptions | None = None,
     dataset_id: str | None = None,

@@ -173,7 +173,7 @@ class _StatusServer:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _reply
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -212,8 +212,7 @@ def test_an_update_one_replica_cannot_load_leaves_every_replica_on_the_old_weigh
     deadline = time.monotonic() + 60
     # Every replica on the old weights and none still loading the failed update.
     while any(
-        c["model_version"] != tiny or c["state"] == "updating"
-        for c in client.consumers().values()
+        c["model_version"] != tiny or c["state"] == "updating" for c in client.consumers().values()
     ):
         assert time.monotonic() < deadline, client.consumers()
         time.sleep(0.2)
