@@ -4,7 +4,6 @@ consumer processes started for real (`python -m consumer`)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.redis_server import free_port, server_args, wait_ready
 from shared.settings import Settings, to_env
+from tests.processes import Valkey, stop_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,16 +33,11 @@ def layout():
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real valkey-server on a free loopback port in a temp dir, for the whole session."""
-    data = tmp_path_factory.mktemp("valkey")
-    port = free_port()
-    proc = subprocess.Popen(server_args(data_dir=data, port=port, daemonize=False))
-    url = f"redis://127.0.0.1:{port}/0"
+    server = Valkey(tmp_path_factory.mktemp("valkey"))
     try:
-        wait_ready(url)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 @pytest.fixture
@@ -106,14 +100,7 @@ def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
         return proc
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_all(procs)
 
 
 def wait_for_consumers(settings: Settings, *, count: int, proc=None, timeout: float = 120) -> None:

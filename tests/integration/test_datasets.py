@@ -37,6 +37,7 @@ from shared import keys
 from shared.settings import Settings, to_env
 from shared.storage import ObjectStore
 from tests.conftest import REPO
+from tests.processes import terminate
 from tests.s3_server import S3Server, s3_bucket_fixture, s3_server_fixture  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -523,8 +524,7 @@ def test_replay_requeues_failed_rq_jobs_and_dead_letters(
     assert {f["row_index"] for f in manifest["failures"]} == set(poison)
 
     # A teacher with a larger vocabulary takes over; replaying the dead letters completes them.
-    tiny.send_signal(signal.SIGTERM)
-    tiny.wait(timeout=30)
+    terminate(tiny)
     big = settings.model_copy(
         update={"model": settings.model.model_copy(update={"path": str(big_vocab_checkpoint)})}
     )
@@ -568,8 +568,7 @@ def test_dataset_replay_counts_replays_and_is_atomic(
     for attempt in (1, 2):
         consumer = start_consumer(settings)
         wait_state(client, done.dataset_id, ("done",), timeout=120, workers=(worker,))
-        consumer.send_signal(signal.SIGTERM)
-        consumer.wait(timeout=30)
+        terminate(consumer)
         [(_, dead)] = client.r.xrange(keys.dead_stream(q))
         assert dead[b"job_id"].decode() == job_id
         with monitored(redis_url) as commands:

@@ -23,9 +23,9 @@ import redis
 
 from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
-from shared.redis_server import free_port, server_args, wait_ready
 from shared.settings import Settings, to_env
 from tests.conftest import REPO
+from tests.processes import Valkey, terminate
 
 pytestmark = pytest.mark.integration
 
@@ -103,8 +103,7 @@ def fault_free(settings, start_consumer):
     client = TeacherClient(s)
     reqs = job_set()
     results = client.wait(client.submit(reqs), timeout=120)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    terminate(proc)
     return reqs, results
 
 
@@ -195,8 +194,7 @@ def test_replay_round_trip(settings, start_consumer) -> None:
     proc = start_consumer(s)
     ok, bad = client.wait([ok_id, bad_id], timeout=60)
     assert ok.ok and bad.error
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    terminate(proc)
 
     from producer.dead_letter_replay import replay
 
@@ -256,25 +254,13 @@ def own_redis(tmp_path: Path):
     """A valkey-server of this test's own (it gets killed), AOF everysec, fixed port."""
     data = tmp_path / "own-redis"
     data.mkdir()
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    procs = []
-
-    def start() -> subprocess.Popen:
-        proc = subprocess.Popen(server_args(data_dir=data, port=port, daemonize=False))
-        procs.append(proc)
-        wait_ready(url, timeout=30)
-        return proc
-
-    start()
-    yield url, start, procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    server = Valkey(data)
+    yield server
+    server.stop()
 
 
 def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None:
-    url, start_redis, procs = own_redis
+    url = own_redis.url
     s = fast(settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})}))
     client = TeacherClient(s)
     start_consumer(s)
@@ -294,10 +280,9 @@ def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None
     producer = threading.Thread(target=produce)
     producer.start()
     time.sleep(1.0)
-    procs[-1].send_signal(signal.SIGKILL)
-    procs[-1].wait()
+    own_redis.kill()
     time.sleep(1.0)
-    start_redis()  # same dir: the AOF brings back every acknowledged write
+    own_redis.restart()  # same dir: the AOF brings back every acknowledged write
     producer.join(timeout=120)
     stop.set()
     assert len(acknowledged) == 60
@@ -375,7 +360,7 @@ def test_janitor_trims_only_acknowledged_entries(settings, r) -> None:
 
 
 def test_consumer_refuses_redis_without_aof(settings, own_redis, tmp_path) -> None:
-    url, _, _ = own_redis
+    url = own_redis.url
     redis.Redis.from_url(url).config_set("appendonly", "no")
     s = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}

@@ -3,7 +3,6 @@ non-leader rank, weight updates mid-stream, sleep and wake."""
 
 from __future__ import annotations
 
-import signal
 import time
 
 import numpy as np
@@ -14,6 +13,7 @@ from shared import keys
 from shared.settings import Settings
 from shared.weights import UpdateInProgress, request_update
 from tests.integration.test_faults import assert_exactly_once, fast, with_queue
+from tests.processes import terminate
 from tests.reference import tiny_full_log_softmax
 
 pytestmark = pytest.mark.integration
@@ -43,8 +43,7 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
     single = fast(with_queue(settings, "single-" + settings.queue.name))
     proc = start_consumer(single)
     want = TeacherClient(single).wait(TeacherClient(single).submit(reqs), timeout=120)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    terminate(proc)
 
     s = fast(settings, batch_max_jobs=2)
     start_consumer(s, nproc=2, wait=False)  # two data-parallel replicas in one launch
@@ -81,8 +80,7 @@ def test_sigterm_drains_without_losing_work(settings, start_consumer) -> None:
     while client.r.xlen(keys.done_stream(s.queue.name)) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=60) == 0, "a drained consumer exits 0"
+    assert terminate(first, timeout=60) == 0, "a drained consumer exits 0"
     name = next(n for n, c in client.consumers().items() if c["state"] == "stopped")
     pending = client.r.xpending_range(
         keys.jobs_stream(s.queue.name), "consumers", "-", "+", 100, consumername=name

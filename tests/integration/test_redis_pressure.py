@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,10 +22,10 @@ import redis
 
 from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
-from shared.redis_server import free_port, server_args, wait_ready
 from shared.settings import Settings, to_env
 from shared.streams import Streams
 from tests.conftest import REPO
+from tests.processes import Valkey, terminate
 
 pytestmark = pytest.mark.integration
 
@@ -37,11 +36,8 @@ class SmallRedis:
     """A valkey-server of one test, AOF on, noeviction, `maxmemory` small."""
 
     def __init__(self, data: Path, maxmemory: str) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        args = server_args(data_dir=data, port=self.port, daemonize=False)
-        self.proc = subprocess.Popen([*args, "--maxmemory", maxmemory])
-        wait_ready(self.url)
+        self.server = Valkey(data, "--maxmemory", maxmemory)
+        self.url = self.server.url
         self.r = redis.Redis.from_url(self.url)
         self._n = 0
 
@@ -75,8 +71,7 @@ class SmallRedis:
         return False
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.server.kill()
 
 
 @pytest.fixture
@@ -266,8 +261,7 @@ def test_consumer_starts_and_stops_while_redis_is_full(small_redis, settings, st
     time.sleep(2.0)
     assert proc.poll() is None, proc.log_path.read_text()[-2000:]
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    assert terminate(proc) == 0
     assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10
 
 
@@ -418,8 +412,7 @@ def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consume
     s = on(settings, settings.redis.url or "", visibility_timeout_s=120.0)
     client = TeacherClient(s)
     stopped = start_consumer(s)
-    stopped.send_signal(signal.SIGTERM)
-    assert stopped.wait(timeout=30) == 0
+    assert terminate(stopped) == 0
     ids = client.submit(jobs(8, "dead"))
     victim = start_consumer(on(s, s.redis.url or "", crash_at="compute:1"), wait=False)
     assert victim.wait(timeout=120) == 137
@@ -492,8 +485,7 @@ def test_sigterm_while_results_wait_for_room(small_redis, settings, start_consum
     small_redis.fill()
     time.sleep(1.0)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    assert terminate(proc) == 0
     assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10
     small_redis.free()
     start_consumer(s)

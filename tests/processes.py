@@ -1,0 +1,63 @@
+"""Process helpers shared by the tests: a throwaway valkey-server, and the "SIGTERM, wait,
+kill" stop of a consumer or any other child process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared.redis_server import free_port, server_args, wait_ready
+
+
+def terminate(proc: subprocess.Popen, *, timeout: float = 30.0) -> int:
+    """Ask `proc` to stop (SIGTERM, as a supervisor does) and return its exit code; raises
+    subprocess.TimeoutExpired if it has not exited within `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout)
+
+
+def stop_all(procs: Iterable[subprocess.Popen], *, timeout: float = 30.0) -> None:
+    """Fixture teardown: SIGTERM every live process, wait for each, SIGKILL what is left."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+class Valkey:
+    """A real valkey-server in `data_dir` on a loopback port (free unless given), started at
+    construction and ready to serve; `extra` flags go after the defaults (later flags win)."""
+
+    def __init__(self, data_dir: Path, *extra: str, port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.extra = extra
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        args = server_args(data_dir=self.data_dir, port=self.port, daemonize=False)
+        proc = subprocess.Popen([*args, *self.extra])
+        wait_ready(self.url, timeout=30)
+        return proc
+
+    def restart(self) -> None:
+        """Start the server again on the same port and data (after `kill`)."""
+        self.proc = self._start()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is flushed beyond what the server had written."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Stop the server if it still runs (SIGTERM, then SIGKILL)."""
+        stop_all([self.proc], timeout=10)
