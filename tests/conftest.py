@@ -40,6 +40,27 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Write a small random Hugging Face checkpoint (transformers' own save) once per session:
+    `hf_checkpoint("qwen2", "teacher-a", seed=1, **config)` returns the same directory (named
+    `name`: the served model version starts with it) for the same arguments, so modules that
+    need the same teacher share it."""
+    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    written: dict[tuple, Path] = {}
+
+    def get(family: str, name: str, *, seed: int, **config: object) -> Path:
+        key = (family, name, seed, *sorted(config.items()))
+        if key not in written:
+            assert not (root / name).exists(), f"{name} already names another checkpoint"
+            written[key] = write_random_hf_checkpoint(root / name, family, seed=seed, **config)
+        return written[key]
+
+    return get
+
+
 @pytest.fixture
 def r(redis_url: str) -> redis.Redis:
     """A client of the session server."""

@@ -29,3 +29,25 @@ def tiny_full_log_softmax(input_ids: np.ndarray, temperature: float = 1.0) -> np
     logits = hidden.double() @ model.output_weight_shard().double().T
     logits = logits[:-1, : spec.vocab_size] / temperature
     return torch.log_softmax(logits, dim=-1).numpy()
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_full_log_softmax(path, input_ids, temperature: float = 1.0) -> np.ndarray:
+    """[L-1, vocab] float64 log-probs of the Hugging Face checkpoint at `path`, computed by
+    transformers itself (float32 forward, log_softmax in float64)."""
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.int64)[None]
+    logits = _hf_model(str(path))(ids).logits[0, :-1].double()
+    return torch.log_softmax(logits / temperature, dim=-1).numpy()
+
+
+def hf_token_logprobs(path, input_ids) -> np.ndarray:
+    """[L-1] log-prob transformers gives each next token of `input_ids`."""
+    ids = np.asarray(input_ids)
+    return hf_full_log_softmax(path, ids)[np.arange(len(ids) - 1), ids[1:]]

@@ -473,11 +473,8 @@ def test_bad_rows_fail_alone_and_are_reported(
 
 
 @pytest.fixture(scope="module")
-def big_vocab_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
-
-    path = tmp_path_factory.mktemp("ckpt") / "qwen2-v2048"
-    return write_random_hf_checkpoint(path, "qwen2", seed=3, vocab_size=2048)
+def big_vocab_checkpoint(hf_checkpoint) -> Path:
+    return hf_checkpoint("qwen2", "qwen2-v2048", seed=3, vocab_size=2048)
 
 
 def test_replay_requeues_failed_rq_jobs_and_dead_letters(

@@ -14,7 +14,7 @@ from shared.settings import Settings
 from shared.weights import UpdateInProgress, request_update
 from tests.integration.test_faults import assert_exactly_once, fast, with_queue
 from tests.processes import terminate
-from tests.reference import tiny_full_log_softmax
+from tests.reference import hf_token_logprobs, tiny_full_log_softmax
 
 pytestmark = pytest.mark.integration
 
@@ -106,24 +106,8 @@ def test_failure_on_a_non_leader_rank_does_not_hang(settings, start_consumer) ->
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
-
-    root = tmp_path_factory.mktemp("weights")
-    a = write_random_hf_checkpoint(root / "teacher-a", "qwen2", seed=1)
-    b = write_random_hf_checkpoint(root / "teacher-b", "qwen2", seed=2)
-    return a, b
-
-
-def _hf_logprobs(path, ids: np.ndarray) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.as_tensor(ids)[None]).logits[0, :-1].double()
-    lp = torch.log_softmax(logits, -1).numpy()
-    return lp[np.arange(len(ids) - 1), ids[1:]]
+def two_checkpoints(hf_checkpoint):
+    return hf_checkpoint("qwen2", "teacher-a", seed=1), hf_checkpoint("qwen2", "teacher-b", seed=2)
 
 
 def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_checkpoints):
@@ -151,10 +135,10 @@ def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_
 
     for req, res in zip(wave1, before, strict=True):
         assert res.model_version.startswith("teacher-a@") and res.model_generation == 0
-        np.testing.assert_allclose(res.logprobs, _hf_logprobs(a, req.input_ids), atol=1e-4)
+        np.testing.assert_allclose(res.logprobs, hf_token_logprobs(a, req.input_ids), atol=1e-4)
     for req, res in zip(wave2, after, strict=True):
         assert res.model_version.startswith("teacher-b@") and res.model_generation == 1
-        np.testing.assert_allclose(res.logprobs, _hf_logprobs(b, req.input_ids), atol=1e-4)
+        np.testing.assert_allclose(res.logprobs, hf_token_logprobs(b, req.input_ids), atol=1e-4)
     assert late.model_generation == 1 and late.model_version.startswith("teacher-b@")
     # Another update can start once this one is done.
     assert request_update(client.r, s.queue.name, str(a)).generation == 2
@@ -191,6 +175,6 @@ def test_sleep_and_wake_round_trip(settings, start_consumer, two_checkpoints) ->
     after = TeacherRequest(input_ids=[5, 6, 7, 8], job_id="after-update")
     [res] = client.wait(client.submit([after]), timeout=60)
     assert res.ok and res.model_generation == 1
-    np.testing.assert_allclose(res.logprobs, _hf_logprobs(b, np.array([5, 6, 7, 8])), atol=1e-4)
+    np.testing.assert_allclose(res.logprobs, hf_token_logprobs(b, [5, 6, 7, 8]), atol=1e-4)
     log = proc.log_path.read_text()
     assert log.count('"consumer.sleeping"') >= 2 and '"consumer.awake"' in log

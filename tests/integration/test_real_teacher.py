@@ -5,27 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from producer import TeacherClient, TeacherRequest
+from tests.reference import hf_full_log_softmax
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
-
-    return write_random_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", seed=3)
-
-
-def _hf_log_softmax(path, ids: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.as_tensor(ids)[None]).logits[0, :-1].double()
-    return torch.log_softmax(logits / temperature, dim=-1).numpy()
+def qwen2_checkpoint(hf_checkpoint):
+    return hf_checkpoint("qwen2", "qwen2", seed=3)
 
 
 def _jobs(vocab: int) -> list[TeacherRequest]:
@@ -67,7 +56,7 @@ def test_hf_checkpoint_matches_transformers(settings, start_consumer, qwen2_chec
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error
         assert res.model_version.startswith("qwen2@")
-        ref = _hf_log_softmax(qwen2_checkpoint, req.input_ids, req.temperature)
+        ref = hf_full_log_softmax(qwen2_checkpoint, req.input_ids, req.temperature)
         rows = np.arange(req.num_tokens - 1)
         np.testing.assert_allclose(res.logprobs, ref[rows, req.input_ids[1:]], atol=1e-4)
         np.testing.assert_allclose(

@@ -19,20 +19,18 @@ from shared.errors import InvalidCheckpoint, WeightUpdateFailed
 from shared.weights import Served, start_choice
 from tests.conftest import wait_for_consumers
 from tests.integration.test_faults import fast
-from tests.integration.test_groups import _hf_logprobs
 from tests.integration.test_operating import cli, error_lines
+from tests.reference import hf_token_logprobs
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, hf_checkpoint):
     """A good Qwen2 checkpoint, one whose config.json is cut in half, and one whose
     config.json parses but does not match its tensors (only a consumer can tell)."""
-    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
-
     root = tmp_path_factory.mktemp("ckpts")
-    good = write_random_hf_checkpoint(root / "teacher-a", "qwen2", seed=1)
+    good = hf_checkpoint("qwen2", "teacher-a", seed=1)
     cut = root / "cut"
     shutil.copytree(good, cut)
     text = (cut / "config.json").read_text()
@@ -161,7 +159,7 @@ def test_tp2_replica_updates_and_resets_together(settings, start_consumer, check
     [res] = client.wait(client.submit([TeacherRequest(input_ids=ids, job_id="tp-up")]), timeout=60)
     assert res.model_version.startswith("teacher-a@")
     # Both ranks hold the new weights: the sharded result equals Hugging Face's on one device.
-    np.testing.assert_allclose(res.logprobs, _hf_logprobs(good, np.array(ids)), atol=1e-4)
+    np.testing.assert_allclose(res.logprobs, hf_token_logprobs(good, np.array(ids)), atol=1e-4)
     client.reset_weights(timeout=120)
     assert _served_version(client, [1, 2, 3, 7], "tp-reset") == tiny
     assert proc.poll() is None
