@@ -46,13 +46,16 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
     `hf_checkpoint("qwen2", "teacher-a", seed=1, **config)` returns the same directory (named
     `name`: the served model version starts with it) for the same arguments, so modules that
     need the same teacher share it."""
+    from transformers.utils import logging as hf_logging
+
     from consumer.checkpoints.synthetic import write_random_hf_checkpoint
 
+    hf_logging.disable_progress_bar()
     root = tmp_path_factory.mktemp("hf-checkpoints")
     written: dict[tuple, Path] = {}
 
     def get(family: str, name: str, *, seed: int, **config: object) -> Path:
-        key = (family, name, seed, *sorted(config.items()))
+        key = (family, name, seed, repr(sorted(config.items())))  # values may be dicts
         if key not in written:
             assert not (root / name).exists(), f"{name} already names another checkpoint"
             written[key] = write_random_hf_checkpoint(root / name, family, seed=seed, **config)

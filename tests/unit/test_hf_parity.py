@@ -67,19 +67,14 @@ def _logprobs(full_logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict:
-    from transformers.utils import logging as hf_logging
-
-    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
-
-    hf_logging.disable_progress_bar()
-    root = tmp_path_factory.mktemp("hf")
+def checkpoints(hf_checkpoint) -> dict:
     paths = {}
     for i, (name, case) in enumerate(CASES.items()):
         case = dict(case)
         family = case.pop("family")
-        case.setdefault("vocab_size", VOCAB)
-        paths[name] = write_random_hf_checkpoint(root / name, family, seed=i, **case)
+        paths[name] = hf_checkpoint(
+            family, f"parity-{name}", seed=i, **{"vocab_size": VOCAB, **case}
+        )
     assert (paths["sharded_files"] / "model.safetensors.index.json").is_file()
     return paths
 

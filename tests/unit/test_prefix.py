@@ -243,19 +243,13 @@ def _assert_same(shared: dict, alone: dict, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict:
-    from transformers.utils import logging as hf_logging
-
-    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
-
-    hf_logging.disable_progress_bar()
-    root = tmp_path_factory.mktemp("hf")
+def checkpoints(hf_checkpoint) -> dict:
     paths = {}
     for i, (name, case) in enumerate(CASES.items()):
         case = dict(case)
         family = case.pop("family")
-        paths[name] = write_random_hf_checkpoint(
-            root / name, family, seed=50 + i, vocab_size=VOCAB, **case
+        paths[name] = hf_checkpoint(
+            family, f"prefix-{name}", seed=50 + i, **{"vocab_size": VOCAB, **case}
         )
     return paths
 
