@@ -1,14 +1,71 @@
-"""Process helpers shared by the tests: a throwaway valkey-server, and the "SIGTERM, wait,
-kill" stop of a consumer or any other child process."""
+"""Process helpers shared by the tests: a throwaway valkey-server, the "SIGTERM, wait, kill"
+stop of a consumer or any other child process, the `teacherq` CLI in a child process, and a
+child's output read through a pseudo-terminal."""
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from shared.redis_server import free_port, server_args, wait_ready
+from shared.settings import Settings, to_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(
+    settings: Settings | None,
+    *args: str,
+    stdin: str | None = None,
+    env: dict[str, str | None] | None = None,
+    cwd: Path = REPO,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
+    """Run `teacherq ARGS` (this checkout's code) with the test's settings and capture
+    everything as text. TEACHERQ_* variables of the test process are left out; an `env`
+    value of None unsets that variable."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")}
+    full = {**base, **(to_env(settings) if settings else {}), **(env or {})}
+    full = {k: v for k, v in full.items() if v is not None}
+    full["PYTHONPATH"] = str(REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "producer.cli", *args],
+        env=full,
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_with_terminal_stderr(
+    cmd: list[str], *, env: dict[str, str], cwd: Path = REPO, timeout: float = 60
+) -> tuple[int, bytes, bytes]:
+    """Run `cmd` with stderr on a pseudo-terminal (as a user's shell) and stdout on a pipe;
+    return (exit code, what reached the terminal, stdout)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while select.select([master], [], [], timeout)[0]:  # until the process closes it
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the other end closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, seen, out
 
 
 def terminate(proc: subprocess.Popen, *, timeout: float = 30.0) -> int:

@@ -37,7 +37,7 @@ from shared import keys
 from shared.settings import Settings, to_env
 from shared.storage import ObjectStore
 from tests.conftest import REPO
-from tests.processes import terminate
+from tests.processes import run_cli, terminate
 from tests.s3_server import S3Server, s3_bucket_fixture, s3_server_fixture  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -143,18 +143,6 @@ def start_worker(tmp_path: Path) -> Iterator[WorkerFactory]:
     for p in procs:
         if p.poll() is None:
             kill_tree(p)
-
-
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "producer.cli", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def wait_state(
@@ -288,7 +276,7 @@ def test_2000_rows_ingest_consume_export_equals_results(
         "--keep-field",
         "text",
     ]
-    sub = _cli(settings, *args)
+    sub = run_cli(settings, *args)
     assert sub.returncode == 0, sub.stderr
     dataset_id = sub.stdout.strip()
     options = RequestOptions(top_k=3, return_entropy=True, temperature=0.9, seed=11)
@@ -317,14 +305,14 @@ def test_2000_rows_ingest_consume_export_equals_results(
         assert (table.column("label_logprobs")[i].as_py() is not None) == (i % 3 == 0)
         assert len(table.column("entropy")[i].as_py()) == len(row["input_ids"]) - 1
 
-    listed = _cli(settings, "datasets", "--json")
+    listed = run_cli(settings, "datasets", "--json")
     assert listed.returncode == 0, listed.stderr
     [snap] = [json.loads(line) for line in listed.stdout.splitlines()]
     assert snap["dataset_id"] == dataset_id and snap["state"] == "done"
     assert (snap["rows_queued"], snap["rows_done"], snap["rows_failed"]) == (2000, 2000, 0)
 
     # Submitting again is a no-op: same id, nothing enqueued twice.
-    again = _cli(settings, *args)
+    again = run_cli(settings, *args)
     assert again.returncode == 0 and again.stdout.strip() == dataset_id
     assert "already done" in again.stderr
     info = client.r.xinfo_stream(keys.jobs_stream(settings.queue.name))

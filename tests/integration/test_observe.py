@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import signal
 import subprocess
 import sys
@@ -48,6 +46,8 @@ from shared.streams import Streams
 from shared.trace_store import RedisSpanSink, TraceStore
 from shared.tracing import new_id, record, span
 from tests.conftest import REPO
+from tests.processes import run_cli as cli
+from tests.processes import run_with_terminal_stderr
 
 pytestmark = pytest.mark.integration
 
@@ -149,15 +149,6 @@ def producer_sink(settings: Settings, r: redis.Redis) -> Iterator[RedisSpanSink]
     finally:
         tracing.configure_sink(previous)
         sink.close()
-
-
-def cli(settings: Settings, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`teacherq ARGS` in a child process with the test's settings (stdout not a TTY)."""
-    env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "producer.cli", *args],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
 
 
 def traced_jobs(settings: Settings, producer_sink: RedisSpanSink, n: int) -> tuple[list, list]:
@@ -577,29 +568,14 @@ def test_cli_submit_wait_shows_a_progress_bar_on_a_terminal(settings: Settings, 
     jsonl.write_text("".join(json.dumps({"input_ids": list(range(3 + i))}) + "\n"
                              for i in range(4)))  # fmt: skip
     t = _complete_in_thread(settings, 4)
-    master, slave = pty.openpty()
     env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO), "COLUMNS": "150"}
-    proc = subprocess.Popen(
+    code, seen, raw = run_with_terminal_stderr(
         [sys.executable, "-m", "producer.cli", "submit", str(jsonl), "--wait", "--timeout", "60"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=slave, text=True,
-    )  # fmt: skip
-    os.close(slave)
-    seen = b""
-    while True:  # drain the terminal until the process closes it
-        ready, _, _ = select.select([master], [], [], 60)
-        if not ready:
-            break
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the other end closed
-            break
-        if not chunk:
-            break
-        seen += chunk
-    os.close(master)
-    out, _ = proc.communicate(timeout=60)
+        env=env,
+    )
+    out = raw.decode()
     t.join(timeout=10)
-    assert proc.returncode == 0, seen.decode(errors="replace")
+    assert code == 0, seen.decode(errors="replace")
     assert len(out.split()) == 4  # job ids on stdout, untouched by the bar
     text = seen.decode(errors="replace")
     assert "teacher jobs" in text and "4/4" in text and "tok" in text, text[-2000:]

@@ -15,34 +15,13 @@ import pytest
 from producer import InvalidJob, JobFailed, TeacherClient, TeacherRequest
 from shared import exitcodes, keys
 from shared.errors import UnknownJob
-from shared.settings import Settings, to_env
+from shared.settings import to_env
+from tests.processes import run_cli as cli
+from tests.processes import run_with_terminal_stderr
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def cli(
-    settings: Settings | None,
-    *args: str,
-    stdin: str | None = None,
-    env: dict[str, str | None] | None = None,
-    cwd: Path = REPO,
-) -> subprocess.CompletedProcess:
-    """Run `teacherq ARGS` (this checkout's code) and capture everything."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")}
-    full = {**base, **(to_env(settings) if settings else {}), **(env or {})}
-    full = {k: v for k, v in full.items() if v is not None}  # env value None: unset it
-    full["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-m", "producer.cli", *args],
-        env=full,
-        cwd=cwd,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -266,33 +245,16 @@ def test_update_without_consumers_never_blocks_the_next(settings, tmp_path, r) -
 def test_client_draws_no_progress_bar_on_a_terminal_unasked(settings) -> None:
     """With stderr on a terminal, a trainer's `wait` draws nothing (the bar is opt-in:
     `progress=True`), while `progress=True` does draw one there."""
-    import pty
-    import select
-
     script = _TRAINER.replace('print("trainer-output")', "client.wait(ids[:1], progress=ARG)")
     seen: dict[bool, str] = {}
     for asked in (False, True):
         env = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")}
         env.update(to_env(settings), PYTHONPATH=str(REPO), COLUMNS="120")
         env.pop("TEACHERQ_LOG__LEVEL", None)
-        master, slave = pty.openpty()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", script.replace("ARG", str(asked))],
-            env=env, stdout=subprocess.PIPE, stderr=slave,
-        )  # fmt: skip
-        os.close(slave)
-        chunks = b""
-        while select.select([master], [], [], 60)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the other end closed
-                break
-            if not chunk:
-                break
-            chunks += chunk
-        os.close(master)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, chunks.decode(errors="replace")
+        code, chunks, out = run_with_terminal_stderr(
+            [sys.executable, "-c", script.replace("ARG", str(asked))], env=env
+        )
+        assert code == 0, chunks.decode(errors="replace")
         assert out == b""
         seen[asked] = chunks.decode(errors="replace")
     assert seen[False] == ""

@@ -4,8 +4,6 @@ results, idempotency, validation, dead letters, object storage, the CLI."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from producer import InvalidJob, TeacherClient, TeacherRequest
 from shared import keys
 from shared.codec import encode_array
 from shared.messages import DEFAULT_MAX_INPUT_TOKENS, encode_job
-from tests.conftest import REPO
+from tests.processes import run_cli
 from tests.reference import tiny_full_log_softmax
 
 pytestmark = pytest.mark.integration
@@ -224,23 +222,6 @@ def test_cancel_before_start_is_not_computed(settings, start_consumer) -> None:
     assert res.error == "cancelled by the user"
 
 
-def _cli(settings, *args: str, **kw) -> subprocess.CompletedProcess:
-    import os
-
-    from shared.settings import to_env
-
-    env = {**os.environ, **to_env(settings)}
-    return subprocess.run(
-        [sys.executable, "-m", "producer.cli", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        **kw,
-    )
-
-
 def test_cli_submit_and_results(settings, start_consumer, tmp_path) -> None:
     start_consumer(settings)
     jsonl = tmp_path / "jobs.jsonl"
@@ -250,11 +231,11 @@ def test_cli_submit_and_results(settings, start_consumer, tmp_path) -> None:
         + json.dumps({"input_ids": [7, 8, 9], "job_id": "cli-2"})
         + "\n"
     )
-    sub = _cli(settings, "submit", str(jsonl), "--wait")
+    sub = run_cli(settings, "submit", str(jsonl), "--wait")
     assert sub.returncode == 0, sub.stderr
     ids = sub.stdout.split()
     assert len(ids) == 2 and ids[1] == "cli-2"
-    res = _cli(settings, "results", *ids, "--json")
+    res = run_cli(settings, "results", *ids, "--json")
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [row["job_id"] for row in rows] == ids
@@ -264,7 +245,7 @@ def test_cli_submit_and_results(settings, start_consumer, tmp_path) -> None:
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"input_ids": [1, 2], "temperature": 0}) + "\n")
-    out = _cli(settings, "submit", str(bad))
+    out = run_cli(settings, "submit", str(bad))
     assert out.returncode == 2 and "temperature must be a finite number > 0" in out.stderr
 
 
