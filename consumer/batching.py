@@ -164,8 +164,9 @@ def broadcast_batch(
     if batch is None:
         broadcast_header(STOP, src=src, group=group)
         return None
-    broadcast_header(BATCH, batch.num_jobs, batch.num_tokens, batch.labels_RW.shape[1],
-                     src=src, group=group)  # fmt: skip
+    broadcast_header(
+        BATCH, batch.num_jobs, batch.num_tokens, batch.labels_RW.shape[1], src=src, group=group
+    )
     return _batch_tensors(batch, src=src, group=group)
 
 

@@ -85,10 +85,14 @@ class Claimer:
         self.scan_interval_s = heartbeat_interval_s
         self.consumers_key = consumers_key or keys.consumers_key(streams.queue)
         self.reaper = Reaper(
-            self.r, stream=streams.jobs, group=streams.group,
-            consumers_key=self.consumers_key, me=name, dead_after_s=self.dead_after_s,
+            self.r,
+            stream=streams.jobs,
+            group=streams.group,
+            consumers_key=self.consumers_key,
+            me=name,
+            dead_after_s=self.dead_after_s,
             visibility_timeout_s=visibility_timeout_s,
-        )  # fmt: skip
+        )
         self._touch = self.r.register_script(_TOUCH)
         self._orphans: list[bytes] = []  # entries of dead consumers, to take over one by one
         self._next_scan = 0.0
@@ -144,10 +148,13 @@ class Claimer:
         reply = cast(
             StreamReply,
             self.r.xreadgroup(
-                self.streams.group, self.name, {self.streams.jobs: from_id}, count=count,
+                self.streams.group,
+                self.name,
+                {self.streams.jobs: from_id},
+                count=count,
                 block=block,
             ),
-        )  # fmt: skip
+        )
         entries = reply[0][1] if reply else []
         return self._drop_deleted(entries)
 
@@ -158,13 +165,21 @@ class Claimer:
             holding = self.reaper.sweep()
             for peer in holding:
                 rows = self.r.xpending_range(
-                    self.streams.jobs, self.streams.group, min="-", max="+", count=1000,
+                    self.streams.jobs,
+                    self.streams.group,
+                    min="-",
+                    max="+",
+                    count=1000,
                     consumername=peer.name,
-                )  # fmt: skip
+                )
                 ids = [row["message_id"] for row in cast(list[dict[str, Any]], rows)]
                 if ids:
-                    log.info("claim.dead_consumer", consumer=peer.name, entries=len(ids),
-                             beat_age_s=peer.beat_age_s)  # fmt: skip
+                    log.info(
+                        "claim.dead_consumer",
+                        consumer=peer.name,
+                        entries=len(ids),
+                        beat_age_s=peer.beat_age_s,
+                    )
                 known = set(self._orphans)
                 self._orphans += [i for i in ids if i not in known]
         except redis.ResponseError as exc:  # no group yet, or a script refused: next scan
@@ -175,9 +190,12 @@ class Claimer:
         # min idle: the owner stopped refreshing at least `dead_after_s` ago; an entry
         # refreshed since (the owner came back) is left alone.
         raw = self.r.xclaim(
-            self.streams.jobs, self.streams.group, self.name,
-            min_idle_time=int(self.dead_after_s * 1000) // 2, message_ids=[entry_id],
-        )  # fmt: skip
+            self.streams.jobs,
+            self.streams.group,
+            self.name,
+            min_idle_time=int(self.dead_after_s * 1000) // 2,
+            message_ids=[entry_id],
+        )
         entries = self._drop_deleted(cast(list[Entry], raw))
         if entries:
             self.stats.reclaimed += 1
@@ -191,10 +209,14 @@ class Claimer:
         rows = cast(
             list[dict[str, Any]],
             self.r.xpending_range(
-                self.streams.jobs, self.streams.group, min=start, max="+", count=20,
+                self.streams.jobs,
+                self.streams.group,
+                min=start,
+                max="+",
+                count=20,
                 idle=self.visibility_ms,
             ),
-        )  # fmt: skip
+        )
         others = [row for row in rows if _text(row["consumer"]) != self.name]
         self._cursor = _text(rows[-1]["message_id"]) if len(rows) == 20 else "-"
         if not others:
@@ -205,17 +227,19 @@ class Claimer:
         owner = _text(row["consumer"])
         live = self._owner_alive(owner)
         raw = self.r.xclaim(
-            self.streams.jobs, self.streams.group, self.name, min_idle_time=self.visibility_ms,
+            self.streams.jobs,
+            self.streams.group,
+            self.name,
+            min_idle_time=self.visibility_ms,
             message_ids=[row["message_id"]],
             # A live owner's refresh failed: keep the count, this is no new attempt.
             retrycount=int(row["times_delivered"]) if live else None,
-        )  # fmt: skip
+        )
         entries = self._drop_deleted(cast(list[Entry], raw))
         if entries:
             self.stats.reclaimed += 1
             self.stats.reclaimed_from_live += live
-            log.info("claim.reclaimed", count=1, consumer=self.name, owner=owner,
-                     owner_alive=live)  # fmt: skip
+            log.info("claim.reclaimed", count=1, consumer=self.name, owner=owner, owner_alive=live)
         return entries
 
     def _owner_alive(self, owner: str) -> bool:
@@ -264,9 +288,10 @@ class Claimer:
             return 0
         try:
             return int(
-                self._touch(keys=[self.streams.jobs],
-                            args=[self.streams.group, self.name, *entry_ids])
-            )  # fmt: skip
+                self._touch(
+                    keys=[self.streams.jobs], args=[self.streams.group, self.name, *entry_ids]
+                )
+            )
         except redis.RedisError as exc:
             self.stats.touch_failures += 1
             log.warning("claim.touch_failed", error=str(exc), entries=len(entry_ids))

@@ -127,9 +127,11 @@ class ConsumerMetrics:
             registry=reg,
         ).labels(*lv)
         self._padding_last = Gauge(
-            "teacherq_padding_waste_last_ratio", "Padding share of the last micro-batch.", labels,
+            "teacherq_padding_waste_last_ratio",
+            "Padding share of the last micro-batch.",
+            labels,
             registry=reg,
-        ).labels(*lv)  # fmt: skip
+        ).labels(*lv)
         self._device_mem = Gauge(
             "teacherq_device_memory_bytes",
             "Accelerator memory of this process (kind: allocated, reserved, peak_allocated).",
@@ -137,13 +139,17 @@ class ConsumerMetrics:
             registry=reg,
         )
         self._last_tick = Gauge(
-            "teacherq_last_tick_timestamp_seconds", "Unix time the loop last ticked.", labels,
+            "teacherq_last_tick_timestamp_seconds",
+            "Unix time the loop last ticked.",
+            labels,
             registry=reg,
-        ).labels(*lv)  # fmt: skip
+        ).labels(*lv)
         self._state = Gauge(
-            "teacherq_consumer_state", "1 for the consumer's current state.", labels + ("state",),
+            "teacherq_consumer_state",
+            "1 for the consumer's current state.",
+            labels + ("state",),
             registry=reg,
-        )  # fmt: skip
+        )
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=reg)
@@ -176,8 +182,12 @@ class ConsumerMetrics:
         self._window: deque[tuple[float, int, int]] = deque()  # (monotonic, jobs, tokens)
         self._rate_window_s = rate_window_s
         # Named *_total so they never clash with a log call's own fields (jobs, tokens).
-        self._totals = {"jobs_done_total": 0, "jobs_failed_total": 0, "tokens_total": 0,
-                        "batches_total": 0}  # fmt: skip
+        self._totals = {
+            "jobs_done_total": 0,
+            "jobs_failed_total": 0,
+            "tokens_total": 0,
+            "batches_total": 0,
+        }
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -338,8 +348,10 @@ class ConsumerMetrics:
                 ok, body = self.health()
                 status = "200 OK" if ok else "503 Service Unavailable"
                 payload = json.dumps(body).encode()
-                start_response(status, [("Content-Type", "application/json"),
-                                        ("Content-Length", str(len(payload)))])  # fmt: skip
+                start_response(
+                    status,
+                    [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
+                )
                 return [payload]
             return metrics_app(environ, start_response)
 

@@ -51,12 +51,13 @@ def _in_flight(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
         info: dict[str, Any] = {
             "entries": int(c["pending"]),
             "idle_s": round(int(c["idle"]) / 1000, 3),
-            "inactive_s": round(int(c["inactive"]) / 1000, 3) if c.get("inactive", -1) >= 0
+            "inactive_s": round(int(c["inactive"]) / 1000, 3)
+            if c.get("inactive", -1) >= 0
             else None,
             "oldest_idle_s": None,
             "max_deliveries": None,
             "sample": [],
-        }  # fmt: skip
+        }
         if info["entries"]:
             rows = r.xpending_range(
                 stream, group, min="-", max="+", count=SAMPLE_ENTRIES, consumername=name
@@ -240,9 +241,12 @@ def render(snap: dict[str, Any]) -> Group:
         f.add_column(col)
     for name, c in snap["in_flight_by_consumer"].items():
         f.add_row(
-            name, str(c["entries"]), _age(c["idle_s"]), _age(c["oldest_idle_s"]),
+            name,
+            str(c["entries"]),
+            _age(c["idle_s"]),
+            _age(c["oldest_idle_s"]),
             _num(c["max_deliveries"]) if c["entries"] else "-",
-        )  # fmt: skip
+        )
 
     cs = Table(title="consumers", title_justify="left")
     for col in ("consumer", "state", "model", "layout", "heartbeat", "jobs done", "tokens"):

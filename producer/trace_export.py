@@ -368,9 +368,14 @@ def to_chrome(view: TraceView) -> dict[str, Any]:
         meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": proc}})
     for pid, tid in sorted(threads):
         meta.append(
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-             "args": {"name": labels[tid - 1]}}
-        )  # fmt: skip
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": pid,
+                "tid": tid,
+                "args": {"name": labels[tid - 1]},
+            }
+        )
     return {
         "traceEvents": meta + events,
         "displayTimeUnit": "ms",

@@ -376,6 +376,7 @@ def _row_pass(
     blocks = [out[key] if store_blocks else stats for key in ("bm", "bs", "bu", "gmax")]
     samples = [out[key] if n else stats for key in ("skey", "sid", "sz")]
     cfg = CONFIG
+    # Kernel arguments one role to a line (tensors, layout, compile-time flags): kept by fmt: skip.
     _row_pass_kernel[(rows, lay.parts, lay.per_row)](
         logits_RV, logits_RV.stride(0), inv_R,
         stats if keys_RN is None or not n else keys_RN,  # unused tensors: any pointer
@@ -535,6 +536,7 @@ def local_reduce(
             out=part,
         )
         if k:
+            # Arguments one role to a line, as the row pass: kept by fmt: skip.
             _candidates_kernel[(r1 - r0,)](
                 logits_RV, logits_RV.stride(0), inv_T[r0:r1], part["stats"], part["gmax"],
                 part["bm"], part["bs"], part["bu"], sel_RG,
