@@ -160,6 +160,10 @@ class ParallelSettings(_Section):
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel degree (only 1 is supported)."""
 
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree for mixture-of-experts teachers: experts split `ep` ways over a
+    replica of max(tp, ep) ranks (the smaller must divide the larger); 1 for dense teachers."""
+
 
 class StorageSettings(_Section):
     url: str = ""

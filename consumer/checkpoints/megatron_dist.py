@@ -158,7 +158,14 @@ def _spec_from_json(path: Path) -> ModelSpec:
     unknown = sorted(set(data["spec"]) - fields)
     if unknown:
         raise CheckpointError(f"{path} has unknown spec fields {unknown}")
-    return ModelSpec(**data["spec"])
+    fields_ = dict(data["spec"])
+    if fields_.get("num_experts"):
+        raise CheckpointError(
+            f"{path}: mixture-of-experts torch_dist checkpoints (num_experts="
+            f"{fields_['num_experts']}) are not supported yet; serve the Hugging Face checkpoint"
+        )
+    fields_["moe_dense_layers"] = tuple(fields_.get("moe_dense_layers") or ())
+    return ModelSpec(**fields_)
 
 
 def read_common_args(ckpt_dir: str | Path) -> dict | None:
@@ -345,6 +352,11 @@ def save_megatron_checkpoint(
     spec = spec or getattr(model, "teacherq_spec", None)
     if spec is None:
         raise ValueError("save_megatron_checkpoint needs the model's spec (pass spec=)")
+    if spec.is_moe:
+        raise CheckpointError(
+            f"{spec.family}: torch_dist checkpoints of mixture-of-experts models are not "
+            "supported yet; serve the Hugging Face checkpoint instead"
+        )
     root = Path(path)
     ckpt_dir = root / step_dir_name(RELEASE if iteration is None else iteration)
     rank = dist.get_rank()
@@ -471,7 +483,7 @@ def load_megatron_checkpoint(
     """
     ckpt_dir = resolve_megatron_checkpoint(path, step=step)
     spec = read_megatron_spec(ckpt_dir, vocab_size=vocab_size)
-    check_parallel(spec, layout.tp)
+    check_parallel(spec, layout.tp, ep=layout.ep)
     model = build_model(spec, layout, params_dtype=params_dtype, device=device, init_weights=False)
     load_megatron_weights(model, ckpt_dir)
     model.teacherq_spec = spec

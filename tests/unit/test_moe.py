@@ -1,0 +1,219 @@
+"""Mixture-of-experts teachers (#23): Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints written by
+transformers, scored through the real Scorer at TP=1, EP=2, TP=2 and TP=2 x EP=2 on gloo, against
+transformers' own forward (float32; router weights drawn large so that the choice of experts is
+decisive). Also: the expert GEMM alone, MoE validation, and batch independence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from consumer.batching import batch_from_jobs
+from consumer.checkpoints import CheckpointError
+from shared.messages import Job, TeacherRequest
+from tests.gloo import run_gloo
+from tests.reference import hf_full_log_softmax
+
+ATOL = 2e-3
+VOCAB = 300
+TOP_K = 3
+CASES = {
+    # norm_topk_prob, a dense layer from mlp_only_layers, q/k norms with a head_dim of its own
+    "qwen3_moe": {"family": "qwen3_moe", "num_layers": 3, "mlp_only_layers": (1,),
+                  "norm_topk_prob": True, "head_dim": 16},
+    # shared expert with its sigmoid gate, qkv biases, dense layer 0 from decoder_sparse_step
+    "qwen2_moe": {"family": "qwen2_moe", "decoder_sparse_step": 2},
+    # experts as wide as intermediate_size, always renormalised, w1/w2/w3 names on disk
+    "mixtral": {"family": "mixtral", "intermediate_size": 64},
+}  # fmt: skip
+LENGTHS = [9, 14, 6, 11]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(hf_checkpoint) -> dict[str, str]:
+    return {
+        name: str(
+            hf_checkpoint(
+                case["family"],
+                f"moe-{name}",
+                seed=5,
+                vocab_size=VOCAB,
+                num_kv_heads=4,  # four KV heads: TP=4 is possible in the slow layout
+                **{k: v for k, v in case.items() if k != "family"},
+            )
+        )
+        for name, case in CASES.items()
+    }
+
+
+def _jobs(lengths: list[int], seed: int) -> list[Job]:
+    rng = np.random.default_rng(seed)
+    return [
+        Job(job_id=f"j{i}", entry_id=f"0-{i}", submitted_at=0.0,
+            request=TeacherRequest(input_ids=rng.integers(0, VOCAB, n).tolist(), top_k=TOP_K,
+                                   sample_n=2, return_entropy=True, seed=i))
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+
+
+def _score_all(layout, checkpoints: dict[str, str], batches: list[list[Job]]) -> dict:
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.scoring import Scorer
+
+    out = {}
+    for name, path in checkpoints.items():
+        model, spec = load_hf_checkpoint(path, layout)
+        scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+        out[name] = [scorer.score(batch_from_jobs(jobs)) for jobs in batches]
+    return out
+
+
+def _layout_worker(rank: int, world_size: int, tp: int, ep: int, checkpoints, batches):
+    from consumer import cpu_compat
+    from consumer.parallel import init_parallel
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=tp, pp=1, ep=ep)
+    assert layout.replica_size == world_size and layout.replica_rank == rank
+    scored = _score_all(layout, checkpoints, batches)
+    return scored if layout.is_leader else None
+
+
+def _batches() -> list[list[Job]]:
+    together = _jobs(LENGTHS, seed=1)
+    return [together, together[1:2]]
+
+
+@pytest.fixture(scope="module")
+def tp1_scores(layout, moe_checkpoints) -> dict:
+    return _score_all(layout, moe_checkpoints, _batches())
+
+
+def _check_against_transformers(path: str, jobs: list[Job], got: list[dict]) -> None:
+    for job, out in zip(jobs, got, strict=True):
+        ids = np.asarray(job.request.input_ids)
+        ref = hf_full_log_softmax(path, ids)
+        np.testing.assert_allclose(out["logprobs"], ref[np.arange(len(ids) - 1), ids[1:]],
+                                   atol=ATOL, rtol=0)  # fmt: skip
+        top = np.argsort(-ref, axis=-1, kind="stable")[:, :TOP_K]
+        np.testing.assert_array_equal(out["topk_token_ids"], top)
+        np.testing.assert_allclose(out["topk_logprobs"], np.take_along_axis(ref, top, -1),
+                                   atol=ATOL, rtol=0)  # fmt: skip
+        entropy = -(np.exp(ref) * ref).sum(-1)
+        np.testing.assert_allclose(out["entropy"], entropy, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp1_matches_transformers(name, moe_checkpoints, tp1_scores):
+    _check_against_transformers(moe_checkpoints[name], _batches()[0], tp1_scores[name][0])
+
+
+def test_outputs_do_not_depend_on_batch_mates(tp1_scores):
+    for name, (together, alone) in tp1_scores.items():
+        mine = together[1]  # job j1 shares its batch with three others, then runs alone
+        np.testing.assert_allclose(mine["logprobs"], alone[0]["logprobs"], atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(mine["sampled_token_ids"], alone[0]["sampled_token_ids"])
+        np.testing.assert_array_equal(mine["topk_token_ids"], alone[0]["topk_token_ids"])
+
+
+def _check_layout(tp: int, ep: int, moe_checkpoints, tp1_scores) -> None:
+    world = max(tp, ep)
+    scored = run_gloo(world, _layout_worker, tp, ep, moe_checkpoints, _batches(), timeout=300)[0]
+    for name, path in moe_checkpoints.items():
+        _check_against_transformers(path, _batches()[0], scored[name][0])
+        for got_batch, want_batch in zip(scored[name], tp1_scores[name], strict=True):
+            for got, want in zip(got_batch, want_batch, strict=True):
+                # the same seed samples the same tokens in every layout
+                np.testing.assert_array_equal(got["sampled_token_ids"], want["sampled_token_ids"])
+                np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1), (2, 2)], ids=["ep2", "tp2", "tp2xep2"])
+def test_layouts_match_transformers_and_tp1(tp, ep, moe_checkpoints, tp1_scores):
+    _check_layout(tp, ep, moe_checkpoints, tp1_scores)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "ep"), [(4, 2), (1, 4)], ids=["tp4xep2", "ep4"])
+def test_wide_layouts_match_transformers(tp, ep, moe_checkpoints, tp1_scores):
+    _check_layout(tp, ep, moe_checkpoints, tp1_scores)
+
+
+# --------------------------------------------------------------------------------------------
+# the expert GEMM alone
+
+
+def test_expert_gemm_equals_a_per_expert_reference():
+    from consumer.moe_gemm import expert_matmul, swiglu_experts
+
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, 8, generator=gen, dtype=torch.float64)
+    fc1 = torch.randn(4, 12, 8, generator=gen, dtype=torch.float64)
+    fc2 = torch.randn(4, 8, 6, generator=gen, dtype=torch.float64)
+    experts = torch.repeat_interleave(torch.arange(4), counts)
+    want = torch.stack([x[i] @ fc1[e].T for i, e in enumerate(experts.tolist())])
+    torch.testing.assert_close(expert_matmul(x, fc1, counts), want)
+    h = want[:, :6]
+    act = torch.nn.functional.silu(h) * want[:, 6:]
+    want2 = torch.stack([act[i] @ fc2[e].T for i, e in enumerate(experts.tolist())])
+    torch.testing.assert_close(swiglu_experts(x, fc1, fc2, counts), want2)
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _config(family: str, **over) -> dict:
+    from consumer.checkpoints.synthetic import hf_config
+
+    config = hf_config(family, num_kv_heads=4).to_dict()
+    config.update(over)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("family", "over", "tp", "ep", "message"),
+    [
+        ("qwen3_moe", {}, 1, 3, "num_experts=4 is not divisible by ep=3"),
+        ("qwen3_moe", {"moe_intermediate_size": 30}, 4, 1, "moe_intermediate_size\\) 30"),
+        ("qwen3_moe", {"num_experts_per_tok": 5}, 1, 1, "num_experts_per_tok=5 exceeds"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 6}, 4, 2,
+         "shared_expert_intermediate_size=6 is not divisible"),
+        ("mixtral", {"num_local_experts": 0}, 1, 1, "num_experts=0"),
+        ("qwen3_moe", {"decoder_sparse_step": 2, "intermediate_size": None}, 1, 1,
+         "intermediate_size=None: layers \\[0\\] are dense"),
+        ("qwen3_moe", {}, 2, 3, "the smaller must divide the larger"),
+        ("qwen3", {}, 1, 2, "parallel.ep=2 needs a mixture-of-experts model"),
+    ],
+)  # fmt: skip
+def test_moe_validation_names_field_and_value(family, over, tp, ep, message):
+    from consumer.checkpoints import validate_hf_config
+
+    with pytest.raises(CheckpointError, match=message):
+        validate_hf_config(_config(family, **over), tp=tp, ep=ep)
+
+
+def test_moe_configs_need_no_dense_ffn_size():
+    from consumer.checkpoints import validate_hf_config
+
+    config = _config("qwen3_moe")
+    del config["intermediate_size"]
+    spec = validate_hf_config(config, tp=2, ep=2)
+    assert spec.num_experts == 4 and spec.moe_top_k == 2 and spec.moe_dense_layers == ()
+
+
+def test_unsupported_moe_families_are_still_refused():
+    from consumer.checkpoints import validate_hf_config
+
+    with pytest.raises(CheckpointError, match="mixture-of-experts"):
+        validate_hf_config({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+
+
+def test_moe_torch_dist_is_refused_in_one_line(layout, moe_checkpoints, tmp_path):
+    from consumer.checkpoints import load_hf_checkpoint, save_megatron_checkpoint
+
+    model, spec = load_hf_checkpoint(moe_checkpoints["mixtral"], layout)
+    with pytest.raises(CheckpointError, match="mixture-of-experts models are not supported yet"):
+        save_megatron_checkpoint(model, tmp_path / "ckpt", spec=spec)
