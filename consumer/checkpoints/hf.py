@@ -162,7 +162,7 @@ def _family(config: dict) -> str:
             return by_arch[arch]
     raise CheckpointError(
         f"unsupported architecture: model_type={model_type!r}, "
-        f"architectures={config.get('architectures')!r}; supported dense families: "
+        f"architectures={config.get('architectures')!r}; supported families: "
         + ", ".join(f"{name} ({f['architecture']})" for name, f in _FAMILIES.items())
     )
 
@@ -244,12 +244,17 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
     biases, activations other than SiLU, and unsupported RoPE variants.
     """
     reason = moe_reason(config)
-    if reason and config.get("model_type") not in hf_moe.MOE_FAMILIES:
+    try:
+        family = _family(config)
+    except CheckpointError:
+        if not reason:
+            raise
+        family = ""
+    if reason and family not in hf_moe.MOE_FAMILIES:
         raise CheckpointError(
             f"this mixture-of-experts model is not supported: {reason}; supported families: "
             f"{'/'.join(SUPPORTED_FAMILIES)}"
         )
-    family = _family(config)
     defaults = _FAMILIES[family]
     moe = hf_moe.moe_fields(family, config) if family in hf_moe.MOE_FAMILIES else {}
     required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers")
