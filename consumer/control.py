@@ -119,7 +119,8 @@ class Control:
             return
         log.info("weights.update", path=path or "(configured model)", generation=generation)
         layout = self.loaded.scorer.layout
-        problem = check_weights(path, tp=layout.tp, ep=layout.ep)  # before any rank is told to load it
+        # before any rank is told to load it
+        problem = check_weights(path, tp=layout.tp, ep=layout.ep)
         if problem is None and not self._swap(path, generation):
             problem = self._load_error or "load failed"
         if problem is not None:

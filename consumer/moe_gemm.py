@@ -27,7 +27,11 @@ def grouped_available(device_type: str, device_index: int | None, dtype: torch.d
     fn = _grouped_mm_fn()
     if fn is None or device_type != "cuda":
         return False
-    device = torch.device(device_type, device_index)
+    device = (
+        torch.device(device_type)
+        if device_index is None
+        else torch.device(device_type, device_index)
+    )
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(48, 64, device=device, dtype=dtype, generator=gen)

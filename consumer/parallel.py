@@ -92,9 +92,7 @@ def check_layout(*, world_size: int, tp: int, pp: int, ep: int = 1) -> int:
     return world_size // (width * pp)
 
 
-def init_parallel(
-    *, tp: int, pp: int, ep: int = 1, backend: str | None = None
-) -> ParallelLayout:
+def init_parallel(*, tp: int, pp: int, ep: int = 1, backend: str | None = None) -> ParallelLayout:
     """Join (or create) the process group from torchrun's environment and form TP groups.
 
     Without torchrun variables this process is a world of one on a free local port.

@@ -32,30 +32,25 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 def moe_fields(family: str, config: dict) -> dict:
     """The ModelSpec fields of a MoE config (num_experts ... moe_dense_layers), checked."""
-    problems = []
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    top_k = config.get("num_experts_per_tok")
-    if family == "mixtral":
-        ffn = config.get("intermediate_size")
-        ffn_field = "intermediate_size"
-    else:
-        ffn = config.get("moe_intermediate_size")
-        ffn_field = "moe_intermediate_size"
-    for name, value in (
-        ("num_experts", experts),
-        ("num_experts_per_tok", top_k),
-        (ffn_field, ffn),
-    ):
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"{name}={value!r} (must be a positive integer)")
+    problems: list[str] = []
+
+    def count(name: str, value: object, least: int = 1) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+            return value
+        problems.append(f"{name}={value!r} (must be an integer >= {least})")
+        return least
+
+    ffn_field = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    experts = count("num_experts", config.get("num_experts") or config.get("num_local_experts"))
+    top_k = count("num_experts_per_tok", config.get("num_experts_per_tok"))
+    ffn = count(ffn_field, config.get(ffn_field))
     if not problems and top_k > experts:
         problems.append(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
     shared = 0
     if family == "qwen2_moe":
-        shared = config.get("shared_expert_intermediate_size")
-        if not isinstance(shared, int) or shared < 0:
-            problems.append(f"shared_expert_intermediate_size={shared!r} (must be an integer >= 0)")
-            shared = 0
+        shared = count(
+            "shared_expert_intermediate_size", config.get("shared_expert_intermediate_size"), 0
+        )
     layers = int(config.get("num_hidden_layers") or 0)
     dense: list[int] = []
     if family != "mixtral":
@@ -76,11 +71,11 @@ def moe_fields(family: str, config: dict) -> dict:
     if problems:
         raise CheckpointError(f"unsupported {family} config: " + "; ".join(problems))
     return {
-        "num_experts": int(experts),
-        "moe_top_k": int(top_k),
-        "moe_ffn_hidden_size": int(ffn),
+        "num_experts": experts,
+        "moe_top_k": top_k,
+        "moe_ffn_hidden_size": ffn,
         "moe_norm_topk": family == "mixtral" or bool(config.get("norm_topk_prob", False)),
-        "moe_shared_ffn_hidden_size": int(shared),
+        "moe_shared_ffn_hidden_size": shared,
         "moe_dense_layers": tuple(dense),
     }
 
@@ -172,7 +167,9 @@ def sparse_layer_readers(
         if names.fused:
             name = names.prefix + "experts.down_proj"
             return ckpt.read_slices(name, slice(first, first + local), slice(None), cols)
-        down = [ckpt.read(names.expert(e, names.down), cols=cols) for e in range(first, first + local)]
+        down = [
+            ckpt.read(names.expert(e, names.down), cols=cols) for e in range(first, first + local)
+        ]
         return torch.stack(down)
 
     readers: dict[str, Reader] = {

@@ -67,7 +67,7 @@ def hf_config(
     rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
     if rope_scaling:
         rope.update(rope_scaling)
-    kwargs = {}
+    kwargs: dict[str, object] = {}
     if head_dim is not None or family in ("qwen3", "qwen3_moe"):
         # Qwen3's own default head_dim is 128 whatever the hidden size
         kwargs["head_dim"] = head_dim or hidden_size // num_attention_heads

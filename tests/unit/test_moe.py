@@ -208,7 +208,9 @@ def test_unsupported_moe_families_are_still_refused():
     from consumer.checkpoints import validate_hf_config
 
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
-        validate_hf_config({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+        validate_hf_config(
+            {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+        )
 
 
 def test_moe_torch_dist_is_refused_in_one_line(layout, moe_checkpoints, tmp_path):
