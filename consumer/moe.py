@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from consumer.moe_gemm import swiglu_experts
+from consumer.moe_gemm import swiglu, swiglu_experts
 
 if TYPE_CHECKING:
     from consumer.model import ModelSpec
@@ -128,8 +128,7 @@ class TeacherMoE(torch.nn.Module):
         weights, ids = self.route(x)
         out = self._routed(x, weights, ids)
         if self.shared:
-            gate, up = F.linear(x, self.shared_fc1).chunk(2, dim=-1)
-            shared = F.linear(F.silu(gate) * up, self.shared_fc2)
+            shared = F.linear(swiglu(F.linear(x, self.shared_fc1)), self.shared_fc2)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         if self.layout.group is not None:
             dist.all_reduce(out, group=self.layout.group)

@@ -4,7 +4,8 @@ Rows arrive sorted by expert, `counts[e]` rows for local expert e. On CUDA the g
 torch provides (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` in older releases) runs
 every expert in one kernel per projection, without a host sync on the counts; it is used only
 where a feature test on the device passes (dtype, architecture). Elsewhere a loop over experts
-computes the same thing with one pair of matmuls per expert that has rows.
+computes the same thing with one pair of matmuls per expert that has rows. SwiGLU is the fused
+kernel the dense MLP uses on CUDA (consumer/kernels/swiglu.py), PyTorch elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
+
+from consumer import kernels
 
 
 def _grouped_mm_fn() -> Callable[..., torch.Tensor] | None:
@@ -79,6 +82,13 @@ def swiglu_experts(
 ) -> torch.Tensor:
     """SwiGLU FFN of each expert over its rows: fc1 [E, 2f, h] = [gate; up], fc2 [E, h, f];
     x [T, h] sorted by expert with counts[e] rows each; returns [T, h]."""
-    h = expert_matmul(x, fc1, counts)
+    return expert_matmul(swiglu(expert_matmul(x, fc1, counts)), fc2, counts)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up]: the fused kernel on CUDA (consumer/kernels)."""
+    fused = kernels.load(h.device)
+    if fused is not None and h.shape[0] > 0:
+        return fused.swiglu(h)
     gate, up = h.chunk(2, dim=-1)
-    return expert_matmul(F.silu(gate) * up, fc2, counts)
+    return F.silu(gate) * up
