@@ -232,6 +232,8 @@ def build_model(
     config = transformer_config(
         spec, tp=layout.tp, params_dtype=params_dtype, init_weights=init_weights
     )
+    if spec.is_moe:  # dense and sparse layers differ: checkpoint keys per layer, not stacked
+        config.hetereogenous_dist_checkpoint = True  # (megatron's spelling)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP

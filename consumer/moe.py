@@ -63,9 +63,11 @@ def renormalises(spec: ModelSpec) -> bool:
 class TeacherMoE(torch.nn.Module):
     """Router, this rank's experts (their FFN slice) and its slice of the shared expert.
 
-    Parameters: `router.weight` [E, h] (whole on every rank), `experts_fc1` [E_local, 2 f_l, h]
-    ([gate; up] of each local expert's slice), `experts_fc2` [E_local, h, f_l], and for a shared
-    expert `shared_fc1` [2 s_l, h], `shared_fc2` [h, s_l], `shared_gate` [1, h].
+    Parameters: `router.weight` [E, h] (whole on every rank), `experts_fc1` [E_local, 2, f_l, h]
+    (gate and up of each local expert's slice), `experts_fc2` [E_local, h, f_l], and for a shared
+    expert `shared_fc1` [2, s_l, h], `shared_fc2` [h, s_l], `shared_gate` [1, h]. Each is a block
+    of one global tensor ([E, 2, f, h], ...), which is how `sharded_state_dict` describes them to
+    megatron's dist checkpointing: a torch_dist checkpoint reloads at any tp x ep.
     """
 
     def __init__(self, config, spec: ModelSpec, experts: ExpertLayout) -> None:
@@ -79,12 +81,12 @@ class TeacherMoE(torch.nn.Module):
         self.first_expert = experts.ep_rank * self.num_local
         f = spec.moe_ffn_hidden_size // experts.etp
         self.router = torch.nn.Linear(h, spec.num_experts, bias=False, dtype=dtype)
-        self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2 * f, h, dtype=dtype))
+        self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2, f, h, dtype=dtype))
         self.experts_fc2 = torch.nn.Parameter(torch.empty(self.num_local, h, f, dtype=dtype))
         self.shared = spec.moe_shared_ffn_hidden_size > 0
         if self.shared:
             s = spec.moe_shared_ffn_hidden_size // experts.size
-            self.shared_fc1 = torch.nn.Parameter(torch.empty(2 * s, h, dtype=dtype))
+            self.shared_fc1 = torch.nn.Parameter(torch.empty(2, s, h, dtype=dtype))
             self.shared_fc2 = torch.nn.Parameter(torch.empty(h, s, dtype=dtype))
             self.shared_gate = torch.nn.Parameter(torch.empty(1, h, dtype=dtype))
         std = float(getattr(config, "init_method_std", 0.02))
@@ -118,7 +120,8 @@ class TeacherMoE(torch.nn.Module):
         expert = local[picks]
         counts = torch.bincount(expert, minlength=self.num_local)
         tokens = torch.div(picks, self.top_k, rounding_mode="floor")
-        y = swiglu_experts(x[tokens], self.experts_fc1, self.experts_fc2, counts)
+        fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
+        y = swiglu_experts(x[tokens], fc1, self.experts_fc2, counts)
         y = y * weights.reshape(-1)[picks, None]
         return torch.zeros_like(x).index_add_(0, tokens, y)
 
@@ -128,8 +131,40 @@ class TeacherMoE(torch.nn.Module):
         weights, ids = self.route(x)
         out = self._routed(x, weights, ids)
         if self.shared:
-            shared = F.linear(swiglu(F.linear(x, self.shared_fc1)), self.shared_fc2)
+            up = F.linear(x, self.shared_fc1.flatten(0, 1))
+            shared = F.linear(swiglu(up), self.shared_fc2)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         if self.layout.group is not None:
             dist.all_reduce(out, group=self.layout.group)
         return out.reshape(shape), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron dist-checkpointing entries: each parameter as this rank's block of its global
+        tensor; whole copies (router, shared gate) are saved by one rank of one replica."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        lay = self.layout
+        prepend = len(sharded_offsets)  # axes megatron stacks layers on, if it does
+        replica = dist.get_rank() // lay.size if dist.is_initialized() else 0
+        by_expert = (0, lay.ep_rank, lay.ep)
+        out = {}
+
+        def add(name: str, tensor: torch.Tensor, *offsets, copy: bool = False) -> None:
+            mine = [(axis + prepend, rank, parts) for axis, rank, parts in offsets]
+            out[prefix + name] = ShardedTensor.from_rank_offsets(
+                prefix + name,
+                tensor,
+                *sharded_offsets,
+                *mine,
+                replica_id=(0, lay.rank if copy else 0, replica),
+                prepend_axis_num=prepend,
+            )
+
+        add("router.weight", self.router.weight, copy=True)
+        add("experts_fc1", self.experts_fc1, by_expert, (2, lay.etp_rank, lay.etp))
+        add("experts_fc2", self.experts_fc2, by_expert, (2, lay.etp_rank, lay.etp))
+        if self.shared:
+            add("shared_fc1", self.shared_fc1, (1, lay.rank, lay.size))
+            add("shared_fc2", self.shared_fc2, (1, lay.rank, lay.size))
+            add("shared_gate", self.shared_gate, copy=True)
+        return out

@@ -213,9 +213,53 @@ def test_unsupported_moe_families_are_still_refused():
         )
 
 
-def test_moe_torch_dist_is_refused_in_one_line(layout, moe_checkpoints, tmp_path):
-    from consumer.checkpoints import load_hf_checkpoint, save_megatron_checkpoint
+def _torch_dist_worker(rank, world_size, tp, ep, roots, out_root, batches):
+    from consumer import cpu_compat
+    from consumer.checkpoints import load_megatron_checkpoint, save_megatron_checkpoint
+    from consumer.parallel import init_parallel
+    from consumer.scoring import Scorer
 
-    model, spec = load_hf_checkpoint(moe_checkpoints["mixtral"], layout)
-    with pytest.raises(CheckpointError, match="mixture-of-experts models are not supported yet"):
-        save_megatron_checkpoint(model, tmp_path / "ckpt", spec=spec)
+    cpu_compat.apply()
+    layout = init_parallel(tp=tp, pp=1, ep=ep)
+    out = {}
+    for name, root in roots.items():
+        model, spec = load_megatron_checkpoint(root, layout)
+        scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+        out[name] = [scorer.score(batch_from_jobs(jobs)) for jobs in batches]
+        save_megatron_checkpoint(model, f"{out_root}/{name}")
+    return out if layout.is_leader else None
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 2)], ids=["ep2", "tp2xep2"])
+def test_torch_dist_moe_reloads_at_any_layout(
+    tp, ep, layout, moe_checkpoints, tp1_scores, tmp_path
+):
+    """Saved at TP=1, loaded at tp x ep (each rank reads its experts) and saved there, then
+    loaded at TP=1 again: the same outputs all the way."""
+    from consumer.checkpoints import (
+        load_hf_checkpoint,
+        load_megatron_checkpoint,
+        save_megatron_checkpoint,
+    )
+    from consumer.scoring import Scorer
+
+    roots = {}
+    for name, path in moe_checkpoints.items():
+        model, spec = load_hf_checkpoint(path, layout)
+        save_megatron_checkpoint(model, tmp_path / "tp1" / name, spec=spec)
+        roots[name] = str(tmp_path / "tp1" / name)
+    out_root = str(tmp_path / "wide")
+    scored = run_gloo(max(tp, ep), _torch_dist_worker, tp, ep, roots, out_root, _batches(),
+                      timeout=300)[0]  # fmt: skip
+    for name in moe_checkpoints:
+        model, spec = load_megatron_checkpoint(f"{out_root}/{name}", layout)
+        assert spec.num_experts == 4
+        scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+        back = [scorer.score(batch_from_jobs(jobs)) for jobs in _batches()]
+        for run in (scored[name], back):
+            for got_batch, want_batch in zip(run, tp1_scores[name], strict=True):
+                for got, want in zip(got_batch, want_batch, strict=True):
+                    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+                    np.testing.assert_array_equal(
+                        got["sampled_token_ids"], want["sampled_token_ids"]
+                    )
