@@ -76,6 +76,7 @@ class TeacherMoE(torch.nn.Module):
         self.layout = experts
         self.top_k = spec.moe_top_k
         self.renormalise = renormalises(spec)
+        self.float_weights = spec.family == "mixtral"
         h, dtype = spec.hidden_size, config.params_dtype
         self.num_local = spec.num_experts // experts.ep
         self.first_expert = experts.ep_rank * self.num_local
@@ -98,13 +99,14 @@ class TeacherMoE(torch.nn.Module):
                     p.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) of tokens x [T, h]."""
+        """(weights [T, k], expert ids [T, k]) of tokens x [T, h]. The weights are in x's dtype
+        (Qwen), or float32 (Mixtral): each family's reference keeps its own."""
         logits = F.linear(x, self.router.weight)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return (weights if self.float_weights else weights.to(x.dtype)), ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -122,7 +124,7 @@ class TeacherMoE(torch.nn.Module):
         tokens = torch.div(picks, self.top_k, rounding_mode="floor")
         fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
         y = swiglu_experts(x[tokens], fc1, self.experts_fc2, counts)
-        y = y * weights.reshape(-1)[picks, None]
+        y = (y * weights.reshape(-1)[picks, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, y)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # megatron's MLP call
