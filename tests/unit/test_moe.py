@@ -161,6 +161,26 @@ def test_expert_gemm_equals_a_per_expert_reference():
     torch.testing.assert_close(swiglu_experts(x, fc1, fc2, counts), want2)
 
 
+def test_grouped_gemm_call_agrees_with_the_loop():
+    """The grouped GEMM as moe_gemm calls it (weights transposed, int32 end offsets), run where
+    this torch has it on the CPU: the convention the CUDA path relies on."""
+    from consumer import moe_gemm
+
+    fn = moe_gemm._grouped_mm_fn()
+    if fn is None:
+        pytest.skip("this torch has no grouped GEMM")
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.tensor([16, 0, 24, 8])
+    x = torch.randn(48, 32, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(4, 16, 32, generator=gen, dtype=torch.bfloat16)
+    try:
+        got = moe_gemm._grouped(fn, x, w, counts)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"no grouped GEMM on the CPU here: {exc}")
+    want = moe_gemm._looped(x, w, counts)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+
+
 # --------------------------------------------------------------------------------------------
 # validation
 
