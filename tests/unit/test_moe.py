@@ -181,6 +181,30 @@ def test_grouped_gemm_call_agrees_with_the_loop():
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_make_checkpoint_script_writes_moe_families(family, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from consumer.checkpoints import validate_hf_checkpoint
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "make_checkpoint.py"
+    module_spec = importlib.util.spec_from_file_location("make_checkpoint", path)
+    script = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(script)
+    out = tmp_path / family
+    argv = ["--family", family, "--out", str(out), "--experts", "8", "--top-k", "3"]
+    assert script.main([*argv, "--norm-topk", "--shared-ffn", "64"]) == 0
+    spec = validate_hf_checkpoint(out, tp=2, ep=4)
+    assert (spec.family, spec.num_experts, spec.moe_top_k, spec.moe_norm_topk) == (
+        family,
+        8,
+        3,
+        True,
+    )
+    assert spec.moe_shared_ffn_hidden_size == (64 if family == "qwen2_moe" else 0)
+
+
 # --------------------------------------------------------------------------------------------
 # validation
 
