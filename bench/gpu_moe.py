@@ -267,7 +267,9 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         rows = torch.div(picks, cfg["top_k"], rounding_mode="floor")
         y = swiglu_experts(x[rows], experts.gate_up_proj, experts.down_proj, counts)
         y = y * weights.reshape(-1)[picks, None]
-        return torch.zeros_like(x).index_add_(0, rows, y)
+        full = torch.empty_like(y)
+        full[picks] = y  # as TeacherMoE combines: a sum over each token's k rows
+        return full.view(tokens, cfg["top_k"], -1).sum(dim=1)
 
     def theirs() -> torch.Tensor:
         return experts(x, ids, weights)

@@ -125,7 +125,13 @@ class TeacherMoE(torch.nn.Module):
         fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
         y = swiglu_experts(x[tokens], fc1, self.experts_fc2, counts)
         y = (y * weights.reshape(-1)[picks, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, y)
+        # back to [token, choice] order, then a sum over each token's k choices: deterministic
+        # (an index_add_ of the k rows would race on CUDA atomics)
+        full = (
+            x.new_zeros(flat.shape[0], x.shape[-1]) if self.layout.ep > 1 else torch.empty_like(y)
+        )
+        full[picks] = y
+        return full.view(x.shape[0], self.top_k, x.shape[-1]).sum(dim=1)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # megatron's MLP call
         shape = hidden_states.shape
