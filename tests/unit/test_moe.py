@@ -181,6 +181,66 @@ def test_grouped_gemm_call_agrees_with_the_loop():
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
 
 
+def _fused_copy(src: str, dst) -> None:
+    """The checkpoint at `src` with each sparse layer's experts stored fused, as transformers 5
+    holds them in memory: experts.gate_up_proj [E, 2f, h] and experts.down_proj [E, h, f]."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{src}/model.safetensors")
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.(.*)", name)
+        hit = re.match(r"experts\.(\d+)\.(\w+)\.weight", m.group(2)) if m else None
+        if hit:
+            experts.setdefault(m.group(1), {})[(int(hit.group(1)), hit.group(2))] = t
+        elif m:
+            out[m.group(1) + "mlp." + m.group(2)] = t
+        else:
+            out[name] = t
+    for layer, by in experts.items():
+        n = 1 + max(e for e, _ in by)
+        gate, up, down = (
+            ("w1", "w3", "w2") if (0, "w1") in by else ("gate_proj", "up_proj", "down_proj")
+        )
+        out[layer + "mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by[(e, gate)], by[(e, up)]]) for e in range(n)]
+        )
+        out[layer + "mlp.experts.down_proj"] = torch.stack([by[(e, down)] for e in range(n)])
+    dst.mkdir()
+    shutil.copy(f"{src}/config.json", dst / "config.json")
+    save_file(out, str(dst / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_fused_expert_layout_reads_the_same_shards(name, moe_checkpoints, tmp_path):
+    """Fused and per-expert storage give every rank of tp2 x ep2 and tp1 x ep2 the same
+    shards."""
+    from consumer.checkpoints import HfCheckpoint, validate_hf_checkpoint
+    from consumer.checkpoints.hf import hf_shard_readers
+    from consumer.parallel import ParallelLayout
+
+    fused = tmp_path / "fused"
+    _fused_copy(moe_checkpoints[name], fused)
+    spec = validate_hf_checkpoint(fused, tp=2, ep=2)
+    assert spec == validate_hf_checkpoint(moe_checkpoints[name])
+    for tp, rank in [(2, 0), (2, 1), (1, 1)]:
+        layout = ParallelLayout(
+            world_size=2, rank=rank, tp=tp, pp=1, dp=1, tp_rank=rank % tp, pp_rank=0,
+            dp_rank=0, tp_group=None, leader_rank=0, ep=2,
+        )  # fmt: skip
+        shards = []
+        for path in (moe_checkpoints[name], fused):
+            with HfCheckpoint(path) as ckpt:
+                readers = hf_shard_readers(spec, layout, ckpt.shapes)
+                shards.append({k: read(ckpt) for k, read in readers.items()})
+        assert shards[0].keys() == shards[1].keys()
+        for key in shards[0]:
+            torch.testing.assert_close(shards[1][key], shards[0][key], rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_make_checkpoint_script_writes_moe_families(family, tmp_path):
     import importlib.util
