@@ -59,7 +59,7 @@ def launch_agreed(
     """`score_agreed` in two steps: check, agree and queue the batch on the device now; the
     returned call waits for the outputs and agrees on them (raising GroupFailure then). Every
     rank of a group calls both steps in the same order."""
-    group, device = scorer.layout.tp_group, scorer.device
+    group, device = scorer.layout.replica_group, scorer.device
     marks = cuda_marks(device) if device.type == "cuda" else None
     clock = PhaseClock(device_mark=marks)  # starts as the broadcast returns, on every rank
     error: BaseException | None = None

@@ -88,7 +88,7 @@ class BatchRunner:
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
-        return self.loaded.scorer.layout.tp_group
+        return self.loaded.scorer.layout.replica_group
 
     def score_and_store(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]

@@ -69,7 +69,7 @@ class Control:
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
-        return self.loaded.scorer.layout.tp_group
+        return self.loaded.scorer.layout.replica_group
 
     def publish_model(self) -> None:
         """Record the vocabulary size, longest input and version this queue is served with
@@ -119,7 +119,8 @@ class Control:
             return
         log.info("weights.update", path=path or "(configured model)", generation=generation)
         layout = self.loaded.scorer.layout
-        problem = check_weights(path, tp=layout.tp)  # before any rank is told to load it
+        # before any rank is told to load it
+        problem = check_weights(path, tp=layout.tp, ep=layout.ep)
         if problem is None and not self._swap(path, generation):
             problem = self._load_error or "load failed"
         if problem is not None:

@@ -33,7 +33,7 @@ def follow(
     """A non-leader rank: obey the leader's commands — score batches, reload, sleep, wake —
     until it signals stop."""
     layout = scorer.layout
-    src, group = layout.leader_rank, layout.tp_group
+    src, group = layout.leader_rank, layout.replica_group
     while True:
         word, a, b, c = broadcast_header(STOP, src=src, group=group)
         if word == STOP:

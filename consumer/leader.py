@@ -217,7 +217,7 @@ class Leader:
             fetcher.close()
             self.writer.close()
             layout = self.loaded.scorer.layout
-            broadcast_batch(None, src=layout.leader_rank, group=layout.tp_group)
+            broadcast_batch(None, src=layout.leader_rank, group=layout.replica_group)
             self.heartbeat.stop("stopped")
             self.metrics.tick("stopped")
             self.metrics.close()

@@ -27,7 +27,8 @@ VOCAB_PAD_MULTIPLE = 128  # per TP rank, as Megatron's --make-vocab-size-divisib
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer (Llama / Qwen2 / Qwen3 family) in plain numbers."""
+    """A decoder-only transformer (Llama / Qwen2 / Qwen3, and the mixture-of-experts Qwen3-MoE /
+    Qwen2-MoE / Mixtral families) in plain numbers. `num_experts` = 0 is a dense model."""
 
     family: str
     vocab_size: int
@@ -44,6 +45,21 @@ class ModelSpec:
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
     rope_scaling: dict | None = field(default=None, hash=False)
+    num_experts: int = 0  # routed experts per sparse layer; 0: dense
+    moe_top_k: int = 0  # experts per token
+    moe_ffn_hidden_size: int = 0  # each expert's intermediate size
+    moe_norm_topk: bool = False  # renormalise the top-k weights (Mixtral always does)
+    moe_shared_ffn_hidden_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    moe_dense_layers: tuple[int, ...] = ()  # layers of a MoE model that keep a dense MLP
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers."""
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) is a mixture-of-experts layer."""
+        return self.is_moe and index not in self.moe_dense_layers
 
     @property
     def max_input_tokens(self) -> int:
@@ -216,14 +232,17 @@ def build_model(
     config = transformer_config(
         spec, tp=layout.tp, params_dtype=params_dtype, init_weights=init_weights
     )
+    if spec.is_moe:  # dense and sparse layers differ: checkpoint keys per layer, not stacked
+        config.hetereogenous_dist_checkpoint = True  # (megatron's spelling)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP
+    block_spec = _moe_block_spec(spec, layout, layer_spec) if spec.is_moe else layer_spec
     rope_kwargs = _rope_kwargs(spec)
     with torch.device("cpu"):
         model = TeacherGPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=block_spec,
             vocab_size=spec.padded_vocab_size(layout.tp),
             max_sequence_length=spec.max_position_embeddings,
             position_embedding_type="rope",
@@ -245,6 +264,36 @@ def build_model(
         for p in model.parameters():
             p.zero_()
     return model.to(device=device).eval()
+
+
+def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec):
+    """Per-layer specs: the sparse layers get a TeacherMoE in their MLP slot."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+    )
+
+    from consumer.moe import ExpertLayout, TeacherMoE
+
+    experts = ExpertLayout(
+        size=layout.replica_size,
+        rank=layout.replica_rank,
+        ep=layout.ep,
+        group=layout.replica_group if layout.replica_size > 1 else None,
+    )
+    layers = []
+    for i in range(spec.num_layers):
+        layer = copy.copy(layer_spec)
+        if spec.is_sparse_layer(i):
+            layer.submodules = copy.copy(layer_spec.submodules)
+            layer.submodules.mlp = ModuleSpec(
+                module=TeacherMoE, params={"spec": spec, "experts": experts}
+            )
+        layers.append(layer)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
 
 
 def _rope_kwargs(spec: ModelSpec) -> dict:

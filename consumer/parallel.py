@@ -1,8 +1,14 @@
 """The consumer's parallel layout: the only module that calls megatron.core.parallel_state.
 
-A consumer process group of `world` ranks is split into data-parallel replicas of `tp * pp`
-ranks each. Within a replica the leader (tensor rank 0 of the first pipeline stage) is the only
-rank that talks to Redis; it broadcasts each batch to its peers.
+A consumer process group of `world` ranks is split into data-parallel replicas of
+`max(tp, ep) * pp` ranks each. Within a replica the leader (its first rank) is the only rank
+that talks to Redis; it broadcasts each batch to its peers (the replica group).
+
+Attention and the head run in tensor-parallel groups of `tp` consecutive ranks. A
+mixture-of-experts teacher splits its experts `ep` ways over the replica's W = max(tp, ep)
+ranks, each expert's FFN over W / ep of them (expert tensor parallelism); when ep > tp the
+replica holds W / tp TP groups that compute attention on the same tokens. Dense teachers use
+ep = 1, where the replica group is the TP group.
 """
 
 from __future__ import annotations
@@ -32,6 +38,24 @@ class ParallelLayout:
     dp_rank: int
     tp_group: dist.ProcessGroup | None
     leader_rank: int  # global rank of this replica's leader
+    ep: int = 1  # expert-parallel degree (mixture-of-experts teachers)
+    wide_group: dist.ProcessGroup | None = None  # the replica's ranks, only when ep > tp
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per replica (pipeline stages aside): max(tp, ep)."""
+        return max(self.tp, self.ep)
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's index within its replica (the leader is 0)."""
+        return self.rank - self.leader_rank
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """Every rank of this replica: batches, commands and agreement travel here (None for
+        a replica of one rank)."""
+        return self.wide_group if self.ep > self.tp else self.tp_group
 
     @property
     def is_leader(self) -> bool:
@@ -40,27 +64,35 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """Short human form, e.g. `tp2·pp1·dp1`."""
-        return f"tp{self.tp}·pp{self.pp}·dp{self.dp}"
+        ep = f"·ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}{ep}·pp{self.pp}·dp{self.dp}"
 
 
-def check_layout(*, world_size: int, tp: int, pp: int) -> int:
+def check_layout(*, world_size: int, tp: int, pp: int, ep: int = 1) -> int:
     """Validate degrees against the world size; return the data-parallel degree."""
-    if tp < 1 or pp < 1:
-        raise LayoutError(f"parallel degrees must be >= 1, got tp={tp} pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise LayoutError(f"parallel degrees must be >= 1, got tp={tp} pp={pp} ep={ep}")
+    if max(tp, ep) % min(tp, ep):
+        raise LayoutError(
+            f"expert parallelism ep={ep} and tensor parallelism tp={tp}: the smaller must "
+            "divide the larger (TEACHERQ_PARALLEL__EP, TEACHERQ_PARALLEL__TP)"
+        )
     if pp != 1:
         raise LayoutError(
             f"pipeline parallelism (pp={pp}) is not supported by this consumer yet; use pp=1 "
             "and tensor parallelism (TEACHERQ_PARALLEL__TP) to spread a model over GPUs"
         )
-    if world_size % (tp * pp):
+    width = max(tp, ep)
+    if world_size % (width * pp):
+        what = f"tp*pp = {tp}*{pp}" if ep == 1 else f"max(tp, ep)*pp = {width}*{pp}"
         raise LayoutError(
-            f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp}; launch "
-            f"a multiple of {tp * pp} ranks (torchrun --nproc-per-node)"
+            f"world size {world_size} is not a multiple of {what}; launch "
+            f"a multiple of {width * pp} ranks (torchrun --nproc-per-node)"
         )
-    return world_size // (tp * pp)
+    return world_size // (width * pp)
 
 
-def init_parallel(*, tp: int, pp: int, backend: str | None = None) -> ParallelLayout:
+def init_parallel(*, tp: int, pp: int, ep: int = 1, backend: str | None = None) -> ParallelLayout:
     """Join (or create) the process group from torchrun's environment and form TP groups.
 
     Without torchrun variables this process is a world of one on a free local port.
@@ -79,7 +111,7 @@ def init_parallel(*, tp: int, pp: int, backend: str | None = None) -> ParallelLa
                 world_size=1,
             )
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world_size=world_size, tp=tp, pp=pp)
+    dp = check_layout(world_size=world_size, tp=tp, pp=pp, ep=ep)
 
     from megatron.core import parallel_state
 
@@ -92,6 +124,14 @@ def init_parallel(*, tp: int, pp: int, backend: str | None = None) -> ParallelLa
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     leader = dist.get_global_rank(tp_group, 0) if tp > 1 else rank
+    wide_group = None
+    if ep > tp:  # replicas of ep consecutive ranks, each holding ep / tp TP groups
+        for first in range(0, world_size, ep):  # every rank creates every group, in order
+            group = dist.new_group(list(range(first, first + ep)))
+            if first <= rank < first + ep:
+                wide_group = group
+        leader = rank - rank % ep
+        dp_rank = rank // ep
     return ParallelLayout(
         world_size=world_size,
         rank=rank,
@@ -103,6 +143,8 @@ def init_parallel(*, tp: int, pp: int, backend: str | None = None) -> ParallelLa
         dp_rank=dp_rank,
         tp_group=tp_group if tp > 1 else None,
         leader_rank=leader,
+        ep=ep,
+        wide_group=wide_group,
     )
 
 

@@ -49,15 +49,15 @@ def load_agreed(
     return None, reason or "a peer rank could not load the weights (see its log)"
 
 
-def check_weights(path: str, *, tp: int) -> str | None:
-    """Why `path` cannot be served at `tp` ranks (None when it looks servable); "" means the
+def check_weights(path: str, *, tp: int, ep: int = 1) -> str | None:
+    """Why `path` cannot be served at `tp` x `ep` ranks (None when it looks servable); "" means the
     configured model, which was checked at start-up."""
     if not path:
         return None
     from consumer.checkpoints import check_teacher
 
     try:
-        check_teacher(path, tp=tp)
+        check_teacher(path, tp=tp, ep=ep)
     except Exception as exc:  # noqa: BLE001 - any refusal (bad JSON, missing file) is the reason
         return describe(exc)
     return None

@@ -57,7 +57,7 @@ def build_scorer(
         from consumer.checkpoints import check_parallel
 
         spec = TINY
-        check_parallel(spec, layout.tp)
+        check_parallel(spec, layout.tp, ep=layout.ep)
         model = build_model(
             spec, layout, params_dtype=dtype, device=device, seed=settings.model.seed
         )
@@ -82,7 +82,8 @@ def graphed_forward(
 ) -> GraphedForward | None:
     """CUDA graphs for the forward where they apply (see consumer/graphs.py)."""
     graphs = settings.consumer.cuda_graphs
-    if device.type != "cuda" or layout.tp != 1 or graphs == 0:
+    moe = any(type(m).__name__ == "TeacherMoE" for m in model.modules())  # data-dependent shapes
+    if device.type != "cuda" or layout.tp != 1 or graphs == 0 or moe:
         return None
     return GraphedForward(model, max_graphs=graphs)
 
@@ -114,7 +115,7 @@ def start_model(
     weights cannot be loaded, the running update is recorded as failed and the replica starts
     on the weights before it (or its configured model) instead of dying; returns scorer,
     version and the generation served. Only the configured model failing is fatal."""
-    group, device = layout.tp_group, pick_device(settings.consumer.device)
+    group, device = layout.replica_group, pick_device(settings.consumer.device)
     queue = settings.queue.name
     path = broadcast_text(
         (choice.path or "") if choice else "", src=layout.leader_rank, group=group
@@ -165,7 +166,9 @@ def run(settings: Settings) -> int:
     cpu_compat.apply()
     stop = StopFlag()
     stop.install()
-    layout = init_parallel(tp=settings.parallel.tp, pp=settings.parallel.pp)
+    layout = init_parallel(
+        tp=settings.parallel.tp, pp=settings.parallel.pp, ep=settings.parallel.ep
+    )
     structlog.contextvars.bind_contextvars(
         rank=layout.rank, tp_rank=layout.tp_rank, dp_rank=layout.dp_rank
     )
@@ -186,7 +189,7 @@ def run(settings: Settings) -> int:
             verdict = preflight(client, settings)
         # Start-up checks come before the model loads (minutes for a large teacher), and every
         # rank of the group learns their verdict: all exit with the configuration code.
-        verdict = broadcast_text(verdict, src=layout.leader_rank, group=layout.tp_group)
+        verdict = broadcast_text(verdict, src=layout.leader_rank, group=layout.replica_group)
         if verdict:
             raise UnsafeRedis(verdict)
         if layout.is_leader:

@@ -16,7 +16,7 @@ from pathlib import Path
 # run as a script from a checkout: make the repository's packages importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from consumer.checkpoints.synthetic import FAMILIES, write_random_hf_checkpoint
+from consumer.checkpoints.synthetic import FAMILIES, MOE_FAMILIES, write_random_hf_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help='JSON, e.g. \'{"rope_type": "linear", "factor": 4.0}\'',
     )
+    p.add_argument("--experts", type=int, default=4, help="MoE families: routed experts")
+    p.add_argument("--top-k", type=int, default=2, help="MoE families: experts per token")
+    p.add_argument("--moe-ffn", type=int, default=32, help="Qwen MoE: each expert's FFN size")
+    p.add_argument("--shared-ffn", type=int, default=48, help="qwen2_moe: shared expert FFN")
+    p.add_argument("--norm-topk", action="store_true", help="Qwen MoE: renormalise top-k")
     p.add_argument("--max-shard-size", default=None, help='e.g. "50KB" to shard the weights')
     return p.parse_args(argv)
 
@@ -62,6 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         tie_embeddings=a.tie,
         rope_theta=a.rope_theta,
         rope_scaling=a.rope_scaling,
+        **(
+            {
+                "num_experts": a.experts,
+                "top_k": a.top_k,
+                "moe_intermediate_size": a.moe_ffn,
+                "shared_expert_intermediate_size": a.shared_ffn,
+                "norm_topk_prob": a.norm_topk,
+            }
+            if a.family in MOE_FAMILIES
+            else {}
+        ),
     )
     sys.stdout.write(f"{out}\n")
     return 0

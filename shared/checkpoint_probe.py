@@ -15,12 +15,15 @@ from pathlib import Path
 
 from shared.errors import InvalidCheckpoint
 
-# The dense Hugging Face families consumer.checkpoints.hf serves (a unit test keeps the two
-# lists equal; this one must not import torch).
+# The Hugging Face families consumer.checkpoints.hf serves, dense and mixture-of-experts (a
+# unit test keeps the two lists equal; this one must not import torch).
 HF_FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 _TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -155,10 +155,14 @@ class ModelSettings(_Section):
 
 class ParallelSettings(_Section):
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree (ranks per replica)."""
+    """Tensor-parallel degree (ranks per replica; max(tp, ep) with expert parallelism)."""
 
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel degree (only 1 is supported)."""
+
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree for mixture-of-experts teachers: experts split `ep` ways over a
+    replica of max(tp, ep) ranks (the smaller must divide the larger); 1 for dense teachers."""
 
 
 class StorageSettings(_Section):
@@ -271,8 +275,9 @@ class ConsumerSettings(_Section):
     """Where the model runs; auto picks CUDA when available."""
 
     cuda_graphs: int = Field(default=4, ge=0)
-    """Packed batch layouts whose forward is kept as a CUDA graph (CUDA at TP = 1 only), the
-    most recently used; a layout is recorded the second time it comes. 0: always eager."""
+    """Packed batch layouts whose forward is kept as a CUDA graph (CUDA at TP = 1, dense
+    teachers only: a MoE layer's shapes follow its routing), the most recently used; a layout
+    is recorded the second time it comes. 0: always eager."""
 
     # Teacher-only: a consumer never trains. These exist so that a settings file written for a
     # trainer is refused with a clear reason instead of being half-honoured.

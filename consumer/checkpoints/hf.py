@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints (Llama, Qwen2/2.5, Qwen3 dense) into a megatron GPTModel.
+"""Hugging Face safetensors checkpoints (Llama, Qwen2/2.5, Qwen3 dense; Qwen3-MoE, Qwen2-MoE and
+Mixtral, whose expert tensors consumer/checkpoints/hf_moe.py maps) into a megatron GPTModel.
 
 A checkpoint is a directory with `config.json` and one or more `*.safetensors` files (sharded
 ones listed in `model.safetensors.index.json`). Loading is per rank: each tensor-parallel rank
@@ -23,11 +24,12 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
+from consumer.checkpoints import hf_moe
 from consumer.checkpoints.validate import (
     CheckpointError,
     check_parallel,
@@ -63,6 +65,27 @@ _FAMILIES: dict[str, dict] = {
         "qk_norm": True,
         "head_dim": 128,  # Qwen3Config's default, not hidden_size // heads
         "max_position_embeddings": 32768,
+    },
+    "qwen3_moe": {
+        "architecture": "Qwen3MoeForCausalLM",
+        "qkv_bias": False,
+        "qk_norm": True,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+    },
+    "qwen2_moe": {
+        "architecture": "Qwen2MoeForCausalLM",
+        "qkv_bias": True,  # Qwen2MoeConfig.qkv_bias's default; a config may say otherwise
+        "qk_norm": False,
+        "head_dim": None,
+        "max_position_embeddings": 8192,
+    },
+    "mixtral": {
+        "architecture": "MixtralForCausalLM",
+        "qkv_bias": False,
+        "qk_norm": False,
+        "head_dim": None,
+        "max_position_embeddings": 4096 * 32,
     },
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
@@ -139,7 +162,7 @@ def _family(config: dict) -> str:
             return by_arch[arch]
     raise CheckpointError(
         f"unsupported architecture: model_type={model_type!r}, "
-        f"architectures={config.get('architectures')!r}; supported dense families: "
+        f"architectures={config.get('architectures')!r}; supported families: "
         + ", ".join(f"{name} ({f['architecture']})" for name, f in _FAMILIES.items())
     )
 
@@ -214,22 +237,29 @@ def _llama3_params(config: dict, scaling: dict) -> dict:
 
 
 def spec_from_hf_config(config: dict) -> ModelSpec:
-    """The ModelSpec of a dense Llama / Qwen2 / Qwen3 config.json (a dict).
+    """The ModelSpec of a Llama / Qwen2 / Qwen3 config.json, or of a Qwen3-MoE / Qwen2-MoE /
+    Mixtral one (a dict).
 
     Raises `CheckpointError` for anything megatron-core cannot reproduce exactly:
-    mixture-of-experts models, other architectures, sliding-window attention, output or MLP
+    other mixture-of-experts models, other architectures, sliding-window attention, output or MLP
     biases, activations other than SiLU, and unsupported RoPE variants.
     """
     reason = moe_reason(config)
-    if reason:
+    try:
+        family = _family(config)
+    except CheckpointError:
+        if not reason:
+            raise
+        family = ""
+    if reason and family not in hf_moe.MOE_FAMILIES:
         raise CheckpointError(
-            f"mixture-of-experts models are not supported: {reason}; only dense "
-            f"{'/'.join(SUPPORTED_FAMILIES)} checkpoints can be served"
+            f"this mixture-of-experts model is not supported: {reason}; supported families: "
+            f"{'/'.join(SUPPORTED_FAMILIES)}"
         )
-    family = _family(config)
     defaults = _FAMILIES[family]
+    moe = hf_moe.moe_fields(family, config) if family in hf_moe.MOE_FAMILIES else {}
     required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers")
-    required += ("num_attention_heads", "intermediate_size")
+    required += ("num_attention_heads",) if moe else ("num_attention_heads", "intermediate_size")
     absent = [k for k in required if config.get(k) is None]
     if absent:
         raise CheckpointError(f"{family} config lacks required fields: {', '.join(absent)}")
@@ -255,17 +285,20 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         num_layers=int(config["num_hidden_layers"]),
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
-        ffn_hidden_size=int(config["intermediate_size"]),
+        ffn_hidden_size=int(config.get("intermediate_size") or moe["moe_ffn_hidden_size"]),
         head_dim=int(head_dim),
         rope_theta=theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        qkv_bias=defaults["qkv_bias"],
+        qkv_bias=bool(config.get("qkv_bias", defaults["qkv_bias"]))
+        if family == "qwen2_moe"
+        else defaults["qkv_bias"],
         qk_norm=defaults["qk_norm"],
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=int(
             config.get("max_position_embeddings") or defaults["max_position_embeddings"]
         ),
         rope_scaling=scaling,
+        **moe,
     )
 
 
@@ -285,7 +318,7 @@ def _feature_problems(config: dict) -> list[str]:
         first = int(config.get("max_window_layers", 0) or 0)
         if first < layers:
             problems.append(f"sliding-window attention on layers {first}..{layers - 1}")
-    elif config.get("model_type") == "llama" and config.get("sliding_window"):
+    elif config.get("model_type") in ("llama", "mixtral") and config.get("sliding_window"):
         problems.append(f"sliding_window={config['sliding_window']}")
     odd = sorted({t for t in config.get("layer_types") or [] if t != "full_attention"})
     if odd:
@@ -293,14 +326,15 @@ def _feature_problems(config: dict) -> list[str]:
     return problems
 
 
-def validate_hf_config(config: dict, *, tp: int = 1) -> ModelSpec:
-    """Check a config.json dict is servable at tensor-parallel size `tp`; return its spec.
+def validate_hf_config(config: dict, *, tp: int = 1, ep: int = 1) -> ModelSpec:
+    """Check a config.json dict is servable at tensor-parallel size `tp` and expert-parallel
+    size `ep`; return its spec.
 
     Raises `CheckpointError` naming the problem (architecture, RoPE, divisibility of heads,
-    KV heads, FFN size or padded vocabulary by `tp`).
+    KV heads, FFN size or padded vocabulary by `tp`, experts by `ep`).
     """
     spec = spec_from_hf_config(config)
-    check_parallel(spec, tp)
+    check_parallel(spec, tp, ep=ep)
     return spec
 
 
@@ -308,8 +342,10 @@ def validate_hf_config(config: dict, *, tp: int = 1) -> ModelSpec:
 # tensor inventory
 
 
-def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of `spec` must hold, with its shape."""
+def hf_tensor_shapes(spec: ModelSpec, found: Iterable[str] = ()) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `spec` must hold, with its shape (for a MoE
+    model, in the expert layout the tensor names `found` use)."""
+    names = set(found)
     h, d, f, v = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size, spec.vocab_size
     q_rows, kv_rows = spec.num_attention_heads * d, spec.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
@@ -328,6 +364,9 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.is_sparse_layer(i):
+            shapes.update(hf_moe.sparse_layer_shapes(spec, hf_moe.expert_names(spec, i, names)))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (f, h)
         shapes[p + "mlp.up_proj.weight"] = (f, h)
         shapes[p + "mlp.down_proj.weight"] = (h, f)
@@ -408,6 +447,10 @@ class HfCheckpoint:
             self._shapes = shapes
         return self._shapes
 
+    def read_slices(self, name: str, *slices: slice) -> torch.Tensor:
+        """Tensor `name` sliced along its leading dimensions (e.g. experts, rows, columns)."""
+        return self._open(self._file_of[name]).get_slice(name)[slices]
+
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it."""
         view = self._open(self._file_of[name]).get_slice(name)
@@ -428,16 +471,20 @@ class HfCheckpoint:
         self.close()
 
 
-def validate_hf_checkpoint(path: str | Path | HfCheckpoint, *, tp: int = 1) -> ModelSpec:
-    """Validate a checkpoint directory for serving at `tp`: config, then every tensor's shape.
+def validate_hf_checkpoint(
+    path: str | Path | HfCheckpoint, *, tp: int = 1, ep: int = 1
+) -> ModelSpec:
+    """Validate a checkpoint directory for serving at `tp` x `ep`: config, then every tensor's
+    shape.
 
     Reads file headers only. Raises `CheckpointError` listing each missing, unexpected or
     misshapen tensor by name.
     """
     ckpt = path if isinstance(path, HfCheckpoint) else HfCheckpoint(path)
-    spec = validate_hf_config(ckpt.config, tp=tp)
+    spec = validate_hf_config(ckpt.config, tp=tp, ep=ep)
     found = ckpt.shapes
-    problems = inventory_problems(hf_tensor_shapes(spec), found, ignorable=_ignorable(spec, found))
+    expected = hf_tensor_shapes(spec, found)
+    problems = inventory_problems(expected, found, ignorable=_ignorable(spec, found))
     raise_problems(f"checkpoint {ckpt.path} does not match its config.json", problems)
     return spec
 
@@ -504,8 +551,12 @@ def _whole(name: str) -> Reader:
     return lambda ckpt: ckpt.read(name)
 
 
-def hf_shard_readers(spec: ModelSpec, layout: ParallelLayout) -> dict[str, Reader]:
-    """For each megatron parameter name, how to read this rank's shard of it from Hugging Face."""
+def hf_shard_readers(
+    spec: ModelSpec, layout: ParallelLayout, found: Iterable[str] = ()
+) -> dict[str, Reader]:
+    """For each megatron parameter name, how to read this rank's shard of it from Hugging Face
+    (`found`: the checkpoint's tensor names, which say how a MoE model stores its experts)."""
+    names = set(found)
     tp, rank = layout.tp, layout.tp_rank
     ffn = _block(spec.ffn_hidden_size, tp, rank)
     attn_cols = _block(spec.num_attention_heads * spec.kv_channels, tp, rank)
@@ -527,6 +578,10 @@ def hf_shard_readers(spec: ModelSpec, layout: ParallelLayout) -> dict[str, Reade
             readers[mg + "self_attention.k_layernorm.weight"] = _whole(attn + "k_norm.weight")
         readers[mg + "self_attention.linear_proj.weight"] = _cols(attn + "o_proj.weight", attn_cols)
         readers[mg + "pre_mlp_layernorm.weight"] = _whole(hf + "post_attention_layernorm.weight")
+        if spec.is_sparse_layer(i):
+            expert_names = hf_moe.expert_names(spec, i, names)
+            readers.update(hf_moe.sparse_layer_readers(spec, expert_names, layout, mg + "mlp."))
+            continue
         readers[mg + "mlp.linear_fc1.weight"] = _gate_up(hf + "mlp.", ffn)
         readers[mg + "mlp.linear_fc2.weight"] = _cols(hf + "mlp.down_proj.weight", ffn)
     return readers
@@ -557,7 +612,7 @@ def load_hf_weights(
     does not fit its parameter, and RuntimeError if a parameter would be left unloaded.
     """
     ckpt = checkpoint if isinstance(checkpoint, HfCheckpoint) else HfCheckpoint(checkpoint)
-    readers = hf_shard_readers(spec, layout)
+    readers = hf_shard_readers(spec, layout, ckpt.shapes)
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))
@@ -591,7 +646,7 @@ def load_hf_checkpoint(
     """
     with HfCheckpoint(path) as ckpt:
         if validate:
-            spec = validate_hf_checkpoint(ckpt, tp=layout.tp)
+            spec = validate_hf_checkpoint(ckpt, tp=layout.tp, ep=layout.ep)
         else:
             spec = spec_from_hf_config(ckpt.config)
         model = build_model(

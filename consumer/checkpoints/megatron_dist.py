@@ -158,7 +158,9 @@ def _spec_from_json(path: Path) -> ModelSpec:
     unknown = sorted(set(data["spec"]) - fields)
     if unknown:
         raise CheckpointError(f"{path} has unknown spec fields {unknown}")
-    return ModelSpec(**data["spec"])
+    fields_ = dict(data["spec"])
+    fields_["moe_dense_layers"] = tuple(fields_.get("moe_dense_layers") or ())
+    return ModelSpec(**fields_)
 
 
 def read_common_args(ckpt_dir: str | Path) -> dict | None:
@@ -206,7 +208,10 @@ def spec_from_megatron_args(args: dict, *, vocab_size: int | None = None) -> Mod
 
     problems = []
     if get("num_experts"):
-        problems.append(f"mixture-of-experts (num_experts={args['num_experts']})")
+        problems.append(
+            f"mixture-of-experts trainer args (num_experts={args['num_experts']}): only MoE "
+            "checkpoints teacherq writes (with teacherq_spec.json) load"
+        )
     if get("position_embedding_type", "rope") != "rope":
         problems.append(f"position_embedding_type={args['position_embedding_type']!r}")
     if get("normalization", "RMSNorm") != "RMSNorm":
@@ -471,7 +476,7 @@ def load_megatron_checkpoint(
     """
     ckpt_dir = resolve_megatron_checkpoint(path, step=step)
     spec = read_megatron_spec(ckpt_dir, vocab_size=vocab_size)
-    check_parallel(spec, layout.tp)
+    check_parallel(spec, layout.tp, ep=layout.ep)
     model = build_model(spec, layout, params_dtype=params_dtype, device=device, init_weights=False)
     load_megatron_weights(model, ckpt_dir)
     model.teacherq_spec = spec

@@ -13,7 +13,11 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# Router weights are drawn this many times larger than other matrices: router logits of a few
+# units apart make the choice of experts decisive, so rounding cannot flip it between layouts.
+ROUTER_SCALE = 4.0
 
 
 def hf_config(
@@ -30,23 +34,59 @@ def hf_config(
     rope_theta: float = 10000.0,
     rope_scaling: dict | None = None,
     max_position_embeddings: int | None = None,
+    num_experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate_size: int = 32,
+    shared_expert_intermediate_size: int = 48,
+    norm_topk_prob: bool = False,
+    mlp_only_layers: tuple[int, ...] = (),
+    decoder_sparse_step: int = 1,
 ):
-    """A transformers config object for a small model of `family` (llama, qwen2 or qwen3)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config object for a small model of `family` (see FAMILIES); the
+    mixture-of-experts arguments apply to qwen3_moe, qwen2_moe (shared expert) and mixtral
+    (whose experts are `intermediate_size` wide, always renormalised, never dense)."""
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "mixtral": MixtralConfig,
+    }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
     if rope_scaling:
         rope.update(rope_scaling)
-    kwargs = {}
-    if head_dim is not None or family == "qwen3":
+    kwargs: dict[str, object] = {}
+    if head_dim is not None or family in ("qwen3", "qwen3_moe"):
         # Qwen3's own default head_dim is 128 whatever the hidden size
         kwargs["head_dim"] = head_dim or hidden_size // num_attention_heads
     if max_position_embeddings is None:
         original = (rope_scaling or {}).get("original_max_position_embeddings", 0)
         max_position_embeddings = max(4096, 4 * int(original))
+    if family == "mixtral":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+    elif family in MOE_FAMILIES:
+        kwargs.update(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            mlp_only_layers=list(mlp_only_layers),
+            decoder_sparse_step=decoder_sparse_step,
+        )
+        if family == "qwen2_moe":
+            kwargs["shared_expert_intermediate_size"] = shared_expert_intermediate_size
     return classes[family](
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -71,8 +111,10 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1.0 + 0.2 * noise)
             elif param.ndim == 1:  # q/k/v biases
                 param.copy_(0.2 * noise)
-            else:
-                param.copy_(noise / math.sqrt(param.shape[1]))
+            elif name.endswith("mlp.gate.weight"):  # a MoE router
+                param.copy_(ROUTER_SCALE * noise / math.sqrt(param.shape[-1]))
+            else:  # [out, in] or experts' [E, out, in]
+                param.copy_(noise / math.sqrt(param.shape[-1]))
 
 
 def write_random_hf_checkpoint(

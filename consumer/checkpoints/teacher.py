@@ -68,18 +68,18 @@ def load_teacher(
     return model, spec, model_version(version_dir)
 
 
-def check_teacher(path: str | Path, *, tp: int) -> ModelSpec:
+def check_teacher(path: str | Path, *, tp: int, ep: int = 1) -> ModelSpec:
     """Everything `load_teacher` would refuse, found without loading a tensor: the format, the
-    config (family, features, split over `tp`) and, for Hugging Face, every tensor's shape
+    config (family, features, split over `tp` x `ep`) and, for Hugging Face, every tensor's shape
     from the file headers. Raises `CheckpointError` naming the problems; returns the spec."""
     from consumer.checkpoints.validate import check_parallel
 
     if checkpoint_kind(path) == "hf":
         from consumer.checkpoints.hf import validate_hf_checkpoint
 
-        return validate_hf_checkpoint(path, tp=tp)
+        return validate_hf_checkpoint(path, tp=tp, ep=ep)
     from consumer.checkpoints.megatron_dist import read_megatron_spec, resolve_megatron_checkpoint
 
     spec = read_megatron_spec(resolve_megatron_checkpoint(path))
-    check_parallel(spec, tp)
+    check_parallel(spec, tp, ep=ep)
     return spec

@@ -24,11 +24,14 @@ class CheckpointError(InvalidCheckpoint):
     """A checkpoint cannot be served as it is; the message names every problem found."""
 
 
-def parallel_problems(spec: ModelSpec, tp: int) -> list[str]:
-    """Why `spec` cannot be split over `tp` tensor-parallel ranks (empty when it can)."""
+def parallel_problems(spec: ModelSpec, tp: int, ep: int = 1) -> list[str]:
+    """Why `spec` cannot be split over `tp` tensor-parallel ranks and `ep` expert-parallel ones
+    (empty when it can)."""
     if tp < 1:
         return [f"tensor-parallel size must be >= 1, got {tp}"]
-    problems = []
+    if ep < 1:
+        return [f"expert-parallel size must be >= 1, got ep={ep}"]
+    problems = moe_problems(spec, tp, ep)
     heads, kv = spec.num_attention_heads, spec.num_kv_heads
     if heads % tp:
         problems.append(f"num_attention_heads={heads} is not divisible by tp={tp}")
@@ -42,7 +45,8 @@ def parallel_problems(spec: ModelSpec, tp: int) -> list[str]:
         )
     elif kv % tp:
         problems.append(f"num_key_value_heads={kv} is not divisible by tp={tp}")
-    if spec.ffn_hidden_size % tp:
+    dense_layers = not spec.is_moe or bool(spec.moe_dense_layers)
+    if dense_layers and spec.ffn_hidden_size % tp:
         problems.append(
             f"intermediate (ffn) size {spec.ffn_hidden_size} is not divisible by tp={tp}"
         )
@@ -52,11 +56,47 @@ def parallel_problems(spec: ModelSpec, tp: int) -> list[str]:
     return problems
 
 
-def check_parallel(spec: ModelSpec, tp: int) -> None:
-    """Raise `CheckpointError` unless `spec` splits evenly over `tp` tensor-parallel ranks."""
-    problems = parallel_problems(spec, tp)
+def moe_problems(spec: ModelSpec, tp: int, ep: int) -> list[str]:
+    """Why the experts of `spec` cannot be laid out at `tp` x `ep` (a replica of max(tp, ep)
+    ranks, experts split ep ways, each expert's FFN max(tp, ep) / ep ways)."""
+    if not spec.is_moe:
+        if ep > 1:
+            return [f"parallel.ep={ep} needs a mixture-of-experts model; this one is dense"]
+        return []
+    problems = []
+    if max(tp, ep) % min(tp, ep):
+        problems.append(f"ep={ep} and tp={tp}: the smaller must divide the larger")
+        return problems
+    width = max(tp, ep)
+    etp = width // ep
+    if spec.num_experts % ep:
+        problems.append(f"num_experts={spec.num_experts} is not divisible by ep={ep}")
+    if spec.moe_ffn_hidden_size % etp:
+        problems.append(
+            f"expert FFN size (moe_intermediate_size) {spec.moe_ffn_hidden_size} is not "
+            f"divisible by the expert tensor-parallel size max(tp, ep) / ep = {etp}"
+        )
+    if not 1 <= spec.moe_top_k <= spec.num_experts:
+        problems.append(
+            f"router top-k num_experts_per_tok={spec.moe_top_k} must be in 1..num_experts="
+            f"{spec.num_experts}"
+        )
+    shared = spec.moe_shared_ffn_hidden_size
+    if shared % width:
+        problems.append(
+            f"shared_expert_intermediate_size={shared} is not divisible by the replica's "
+            f"max(tp, ep) = {width} ranks"
+        )
+    return problems
+
+
+def check_parallel(spec: ModelSpec, tp: int, *, ep: int = 1) -> None:
+    """Raise `CheckpointError` unless `spec` splits evenly over `tp` tensor-parallel ranks
+    (and its experts over `ep` expert-parallel ones)."""
+    problems = parallel_problems(spec, tp, ep)
     if problems:
-        raise CheckpointError(f"model cannot be split over tp={tp}: " + "; ".join(problems))
+        where = f"tp={tp}" if ep == 1 else f"tp={tp} x ep={ep}"
+        raise CheckpointError(f"model cannot be split over {where}: " + "; ".join(problems))
 
 
 def inventory_problems(

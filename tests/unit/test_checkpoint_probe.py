@@ -28,15 +28,16 @@ def test_families_match_what_the_consumer_loads() -> None:
     assert {k: v["architecture"] for k, v in _FAMILIES.items()} == HF_FAMILIES
 
 
-def test_a_servable_hf_directory_passes(tmp_path: Path) -> None:
-    assert probe_checkpoint(_hf(tmp_path, {"model_type": "qwen3"})) == "hf"
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_a_servable_hf_directory_passes(tmp_path: Path, family: str) -> None:
+    assert probe_checkpoint(_hf(tmp_path, {"model_type": family})) == "hf"
 
 
 @pytest.mark.parametrize(
     ("config", "weights", "expected"),
     [
         ('{"model_type": "qwen2", "hidden', True, r"config.json: line 1 column \d+: not valid"),
-        ({"model_type": "mixtral"}, True, "'mixtral'.*llama, qwen2, qwen3"),
+        ({"model_type": "deepseek_v3"}, True, "'deepseek_v3'.*llama, qwen2, qwen3, qwen3_moe"),
         ({"model_type": "llama"}, False, "no \\*.safetensors"),
         ("[1, 2]", True, "expected a JSON object"),
     ],

@@ -128,12 +128,28 @@ def test_spec_from_transformers5_configs():
     assert spec_from_hf_config(bare).kv_channels == 128
 
 
+def test_hub_moe_configs_give_moe_specs():
+    """Qwen3-30B-A3B- and Mixtral-8x7B-shaped configs as on the hub (#23)."""
+    from consumer.checkpoints import validate_hf_config
+
+    qwen = validate_hf_config(_qwen3_moe_config(), tp=2, ep=8)
+    assert (qwen.family, qwen.num_experts, qwen.moe_top_k, qwen.moe_ffn_hidden_size) == (
+        "qwen3_moe",
+        128,
+        8,
+        768,
+    )
+    assert not qwen.moe_norm_topk and qwen.moe_dense_layers == () and qwen.qk_norm
+    by_arch = {k: v for k, v in _qwen3_moe_config().items() if k != "model_type"}
+    assert validate_hf_config(by_arch) == validate_hf_config(_qwen3_moe_config())
+    mixtral = validate_hf_config(_mixtral_config(), tp=8, ep=8)
+    assert (mixtral.num_experts, mixtral.moe_top_k, mixtral.moe_ffn_hidden_size) == (8, 2, 14336)
+    assert mixtral.moe_norm_topk
+
+
 @pytest.mark.parametrize(
     "config",
     [
-        _qwen3_moe_config(),
-        _mixtral_config(),
-        {k: v for k, v in _qwen3_moe_config().items() if k != "model_type"},  # by architecture
         {**_llama31_config(), "num_local_experts": 8},  # by field, under a dense model_type
         {
             "model_type": "deepseek_v3",
@@ -142,7 +158,7 @@ def test_spec_from_transformers5_configs():
             "moe_intermediate_size": 2048,  # no dense intermediate_size at all
         },
     ],
-    ids=["qwen3_moe", "mixtral", "moe_architecture", "moe_field", "no_intermediate_size"],
+    ids=["moe_field", "no_intermediate_size"],
 )
 def test_moe_configs_are_refused(config):
     from consumer.checkpoints import validate_hf_config

@@ -1,0 +1,390 @@
+"""A mixture-of-experts teacher on one GPU (#23): teacherq's model + head vs transformers' own
+forward + log_softmax, on the same mixed-length documents.
+
+The model is a random-init Qwen3-30B-A3B shape in bf16 (from the public config.json of
+Qwen/Qwen3-30B-A3B: hidden 2048, 48 layers, 32 heads of 128, 4 KV heads, 128 experts of FFN 768,
+top-8 renormalised, vocab 151936, untied; about 61 GB of weights). `--layers N` cuts the depth;
+`--tiny` is a few-MB model of the same structure that runs on the CPU (a check of the script:
+there both paths load one checkpoint written by transformers, and their log-probs are compared).
+
+Paths, on the same documents (lengths uniform in 256..4096, drawn from `--seed`):
+
+  hf        Qwen3MoeForCausalLM (transformers' default experts implementation), documents
+            sorted by length into right-padded batches of at most `--tokens-per-forward` tokens
+            with an attention mask: logits, a float32 log_softmax and the next-token gather;
+  hf_bare   the same batches through `model.model` to the final hidden states only;
+  teacherq  TeacherGPTModel with TeacherMoE layers (consumer/moe.py) and the chunked head via
+            Scorer.score on the consumer's packed micro-batches of the same budget, every output
+            (next-token log-probs, top-64, 8 samples, entropy) or `--label-only`.
+
+Reported per path: tokens/s (documents' tokens, no padding), MFU on the active parameters
+(2 x active matmul weights per token, the output layer included, plus causal attention
+2 s^2 heads head_dim per layer and document; peak 790e12 bf16 FLOP/s measured on an H200),
+and peak device memory (weights included). Then the ratio teacherq / hf.
+
+`--gemm-only` times the expert FFN alone on one layer's routed tokens: consumer.moe_gemm's
+grouped GEMM vs transformers' Qwen3MoeExperts (its grouped_mm implementation on CUDA) on the
+same weights and routing.
+
+    python bench/gpu_moe.py                      # the full 48-layer model on one H200
+    python bench/gpu_moe.py --layers 8 --docs 64
+    python bench/gpu_moe.py --gemm-only --tokens-per-forward 16384
+    python bench/gpu_moe.py --tiny               # CPU check of the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_FLOPS = 790e12
+TOP_K = 64
+SAMPLES = 8
+
+QWEN3_30B_A3B = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "num_layers": 48,
+    "num_attention_heads": 32,
+    "num_kv_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "num_experts": 128,
+    "top_k": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "rope_theta": 1000000.0,
+}
+TINY = {
+    **QWEN3_30B_A3B,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "num_experts": 8,
+    "top_k": 2,
+    "moe_intermediate_size": 32,
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
+    p.add_argument("--layers", type=int, default=None, help="cut the depth to N layers")
+    p.add_argument("--docs", type=int, default=48, help="documents per pass")
+    p.add_argument("--tokens-per-forward", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=2, help="timed passes (after one warm-up)")
+    p.add_argument("--label-only", action="store_true", help="teacherq: next-token only")
+    p.add_argument("--gemm-only", action="store_true", help="time the expert FFN alone")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def shape(args: argparse.Namespace) -> dict:
+    cfg = dict(TINY if args.tiny else QWEN3_30B_A3B)
+    if args.layers:
+        cfg["num_layers"] = args.layers
+    return cfg
+
+
+def hf_config(cfg: dict):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_kv_heads"],
+        head_dim=cfg["head_dim"],
+        num_experts=cfg["num_experts"],
+        num_experts_per_tok=cfg["top_k"],
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        norm_topk_prob=cfg["norm_topk_prob"],
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
+    )
+
+
+def documents(cfg: dict, args: argparse.Namespace) -> list[np.ndarray]:
+    rng = np.random.default_rng(args.seed)
+    hi = 256 if args.tiny else 4096
+    lo = 16 if args.tiny else 256
+    return [
+        rng.integers(0, cfg["vocab_size"], size=int(rng.integers(lo, hi + 1)))
+        for _ in range(args.docs)
+    ]
+
+
+def active_flops(cfg: dict, lengths: list[int]) -> float:
+    """FLOPs of one forward with the output layer, counting only the experts a token uses."""
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_kv_heads"]
+    attn = h * heads * d * 2 + h * kv * d * 2
+    moe = h * cfg["num_experts"] + cfg["top_k"] * 3 * h * cfg["moe_intermediate_size"]
+    per_token = cfg["num_layers"] * (attn + moe) + cfg["vocab_size"] * h
+    quad = sum(2 * s * s * heads * d for s in lengths) * cfg["num_layers"]
+    return 2.0 * per_token * sum(lengths) + quad
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """N(0, 0.02) matrices (routers 4x larger: decisive routing), unit norms, on the device."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                std = 0.08 if ("router" in name or name.endswith("mlp.gate.weight")) else 0.02
+                p.normal_(0.0, std, generator=gen)
+            else:
+                p.fill_(1.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def _timed(fn, device: torch.device, iters: int) -> float:
+    fn()  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def padded_batches(docs: list[np.ndarray], budget: int) -> list[list[np.ndarray]]:
+    batches: list[list[np.ndarray]] = []
+    for d in sorted(docs, key=len):
+        if batches and (len(batches[-1]) + 1) * len(d) <= budget:
+            batches[-1].append(d)
+        else:
+            batches.append([d])
+    return batches
+
+
+def _padded(batch: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(d) for d in batch)
+    ids = torch.zeros(len(batch), n, dtype=torch.long)
+    mask = torch.zeros(len(batch), n, dtype=torch.long)
+    for i, d in enumerate(batch):
+        ids[i, : len(d)] = torch.as_tensor(d)
+        mask[i, : len(d)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run_hf_bare(model, docs, args, device) -> float:
+    """transformers' forward to the final hidden states only: its ceiling."""
+    batches = [_padded(b, device) for b in padded_batches(docs, args.tokens_per_forward)]
+
+    @torch.inference_mode()
+    def one_pass() -> None:
+        for ids, mask in batches:
+            model.model(input_ids=ids, attention_mask=mask)
+
+    return _timed(one_pass, device, args.iters)
+
+
+def run_hf(model, docs, args, device) -> tuple[float, list[np.ndarray]]:
+    batches = padded_batches(docs, args.tokens_per_forward)
+    out: list[np.ndarray] = []
+
+    @torch.inference_mode()
+    def one_pass() -> None:
+        out.clear()
+        for batch in batches:
+            ids, mask = _padded(batch, device)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            got = lp.gather(-1, ids[:, 1:, None])[..., 0].cpu()
+            out.extend(got[i, : len(d) - 1].numpy() for i, d in enumerate(batch))
+
+    seconds = _timed(one_pass, device, args.iters)
+    order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
+    by_doc = [np.empty(0)] * len(docs)
+    for slot, i in enumerate(order):
+        by_doc[i] = out[slot]
+    return seconds, by_doc
+
+
+def run_teacherq(model, spec, layout, docs, args, device) -> tuple[float, list[np.ndarray]]:
+    from consumer.batching import batch_from_jobs
+    from consumer.prefix import plan_shared_microbatches
+    from consumer.scoring import Scorer
+    from shared.messages import Job, TeacherRequest
+
+    extra = {} if args.label_only else {"top_k": TOP_K, "sample_n": SAMPLES, "return_entropy": True}
+    jobs = [
+        Job(job_id=f"d{i}", entry_id="0-0", submitted_at=0,
+            request=TeacherRequest(input_ids=d, seed=i, **extra))
+        for i, d in enumerate(docs)
+    ]  # fmt: skip
+    groups = plan_shared_microbatches(jobs, token_budget=args.tokens_per_forward)
+    batches = [(group, batch_from_jobs(group)) for group in groups]
+    scorer = Scorer(model=model, spec=spec, layout=layout, device=device)
+    results: dict[str, np.ndarray] = {}
+
+    def one_pass() -> None:
+        pending = [(group, scorer.launch(batch)) for group, batch in batches]
+        for group, p in pending:
+            for job, res in zip(group, p.result(), strict=True):
+                results[job.job_id] = res["logprobs"]
+
+    seconds = _timed(one_pass, device, args.iters)
+    return seconds, [results[f"d{i}"] for i in range(len(docs))]
+
+
+def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
+    """Expert FFN of one layer on routed tokens: ours vs transformers' Qwen3MoeExperts."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from consumer.moe_gemm import grouped_available, swiglu_experts
+
+    cfg = shape(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = args.tokens_per_forward if device.type == "cuda" else 256
+    config = hf_config(cfg)
+    # what a whole model picks by default: grouped_mm where it dispatches, eager otherwise
+    config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
+    experts = Qwen3MoeExperts(config).to(device=device, dtype=dtype)
+    randomize(experts, args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    x = torch.randn(tokens, cfg["hidden_size"], device=device, dtype=dtype, generator=gen)
+    logits = torch.randn(tokens, cfg["num_experts"], device=device, generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), cfg["top_k"], dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+    def ours() -> torch.Tensor:
+        flat = ids.reshape(-1)
+        picks = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=cfg["num_experts"])
+        rows = torch.div(picks, cfg["top_k"], rounding_mode="floor")
+        y = swiglu_experts(x[rows], experts.gate_up_proj, experts.down_proj, counts)
+        y = y * weights.reshape(-1)[picks, None]
+        full = torch.empty_like(y)
+        full[picks] = y  # as TeacherMoE combines: a sum over each token's k rows
+        return full.view(tokens, cfg["top_k"], -1).sum(dim=1)
+
+    def theirs() -> torch.Tensor:
+        return experts(x, ids, weights)
+
+    with torch.inference_mode():
+        diff = (ours().float() - theirs().float()).abs().max().item()
+        t_ours = _timed(ours, device, max(args.iters, 5))
+        t_hf = _timed(theirs, device, max(args.iters, 5))
+    flops = 2 * tokens * cfg["top_k"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+    return {
+        "tokens": tokens,
+        "grouped_gemm": grouped_available(device.type, device.index, dtype),
+        "hf_experts_implementation": config._experts_implementation,
+        "max_abs_diff": diff,
+        "teacherq_ms": 1e3 * t_ours,
+        "hf_ms": 1e3 * t_hf,
+        "speedup": t_hf / t_ours,
+        "teacherq_tflops": flops / t_ours / 1e12,
+        "hf_tflops": flops / t_hf / 1e12,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if args.gemm_only:
+        print(json.dumps(gemm_only(args, device), indent=2))
+        return
+    from transformers import AutoModelForCausalLM
+
+    from consumer import cpu_compat
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.checkpoints.hf import spec_from_hf_config
+    from consumer.model import build_model
+    from consumer.parallel import init_parallel
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=1, pp=1)
+    cfg = shape(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    docs = documents(cfg, args)
+    lengths = [len(d) for d in docs]
+    flops = active_flops(cfg, lengths)
+    config = hf_config(cfg)
+    report: dict = {"device": str(device), "layers": cfg["num_layers"], "tokens": sum(lengths)}
+
+    tmp = None
+    if args.tiny:  # one checkpoint for both paths: their log-probs must agree
+        tmp = tempfile.TemporaryDirectory()
+        with torch.device("cpu"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        randomize(hf, args.seed)
+        hf.save_pretrained(tmp.name)
+        model, spec = load_hf_checkpoint(tmp.name, layout, params_dtype=dtype, device=device)
+    else:
+        spec = spec_from_hf_config(config.to_dict())
+        model = build_model(spec, layout, params_dtype=dtype, device=device, init_weights=False)
+        randomize(model, args.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, ours = run_teacherq(model, spec, layout, docs, args, device)
+    report["teacherq"] = {
+        "tokens_per_s": sum(lengths) / seconds,
+        "mfu_active": flops / seconds / PEAK_FLOPS,
+        "peak_gib": _peak_gib(device),
+        "outputs": "label" if args.label_only else f"top-{TOP_K}, {SAMPLES} samples, entropy",
+    }
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    if args.tiny:
+        assert tmp is not None
+        hf = AutoModelForCausalLM.from_pretrained(tmp.name, dtype=dtype).to(device).eval()
+    else:
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        randomize(hf, args.seed)
+    seconds_hf, theirs = run_hf(hf, docs, args, device)
+    report["hf"] = {
+        "tokens_per_s": sum(lengths) / seconds_hf,
+        "mfu_active": flops / seconds_hf / PEAK_FLOPS,
+        "peak_gib": _peak_gib(device),
+    }
+    seconds_bare = run_hf_bare(hf, docs, args, device)
+    report["hf_bare"] = {
+        "tokens_per_s": sum(lengths) / seconds_bare,
+        "mfu_active": active_flops({**cfg, "vocab_size": 0}, lengths) / seconds_bare / PEAK_FLOPS,
+    }
+    report["ratio_teacherq_over_hf"] = seconds_hf / seconds
+    if args.tiny:
+        report["max_logprob_diff"] = float(
+            max(np.abs(a - b).max() for a, b in zip(ours, theirs, strict=True))
+        )
+        tmp.cleanup()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
