@@ -114,6 +114,8 @@ class TeacherMoE(torch.nn.Module):
             local = flat
             picks = torch.argsort(flat, stable=True)
         else:
+            # only this rank's rows (a host sync for their count): carrying every routed row
+            # through the gather and SwiGLU would move ep times the bytes the GEMMs need
             mine = (flat >= self.first_expert) & (flat < self.first_expert + self.num_local)
             where = mine.nonzero().squeeze(1)
             order = torch.argsort(flat[where], stable=True)

@@ -367,3 +367,15 @@ def test_torch_dist_moe_reloads_at_any_layout(
                     np.testing.assert_array_equal(
                         got["sampled_token_ids"], want["sampled_token_ids"]
                     )
+
+
+def test_layout_degrees():
+    from consumer.parallel import LayoutError, check_layout
+
+    assert check_layout(world_size=8, tp=2, pp=1, ep=4) == 2  # replicas of max(tp, ep) ranks
+    assert check_layout(world_size=8, tp=4, pp=1, ep=2) == 2
+    assert check_layout(world_size=8, tp=2, pp=1) == 4  # dense: unchanged
+    with pytest.raises(LayoutError, match="ep=3 and tensor parallelism tp=2"):
+        check_layout(world_size=6, tp=2, pp=1, ep=3)
+    with pytest.raises(LayoutError, match=r"not a multiple of max\(tp, ep\)\*pp = 4\*1"):
+        check_layout(world_size=6, tp=1, pp=1, ep=4)
