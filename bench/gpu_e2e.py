@@ -1,7 +1,8 @@
 """Teacher throughput end to end on one GPU, on the workloads users have: Hugging Face vs the
 bare forward vs teacherq.
 
-Random-init models of the Qwen2.5-1.5B and Qwen2.5-7B shapes in bf16. Each workload is a stream
+Random-init models of the Qwen2.5-1.5B and Qwen2.5-7B shapes (and of Qwen3-30B-A3B, a mixture of
+experts: `--models 30b-a3b`) in bf16. Each workload is a stream
 of documents whose lengths are drawn anew for every pass, so no batch layout repeats (as in RL
 rollouts and distillation sets):
 
@@ -112,6 +113,53 @@ MODELS = {
         "vocab_size": 152064,
         "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-30B-A3B's public config.json (a mixture of experts: 128 experts of FFN 768,
+    # 8 routed per token, renormalised): about 61 GB of bf16 weights, 3.3B active per token.
+    "30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 40960,
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    # A few-MB mixture of experts of the same structure, for smoke tests of the MoE path.
+    "tiny-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "vocab_size": 1000,
+        "tie_word_embeddings": False,
+    },
     # Not a Qwen2.5 model: a few-MB shape for smoke tests of the script itself.
     "tiny": {
         **_QWEN2,
@@ -179,8 +227,15 @@ def forward_flops(cfg: dict, lengths: list[int], *, with_head: bool) -> float:
     """FLOPs of prefill forwards over documents of these lengths (see the module doc)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = h // heads
-    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // heads
+    if cfg.get("num_experts"):  # active weights: the router and the k experts a token takes
+        ffn = (
+            cfg["num_experts"] * h
+            + cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
+        )
+    else:
+        ffn = 3 * h * cfg["intermediate_size"]
+    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + ffn
     n_mm = layers * per_layer + (cfg["vocab_size"] * h if with_head else 0)
     attention = sum(layers * 2 * s**2 * heads * hd for s in lengths)
     return 2.0 * n_mm * sum(lengths) + attention
@@ -255,19 +310,19 @@ def _versions() -> dict:
 def hf_child(args: argparse.Namespace) -> None:
     """Build the HF model on the device and time (a) and (b) on every workload; print JSON."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = MODELS[args.model]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    config = Qwen2Config(
-        **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    config = AutoConfig.for_model(
+        cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("model_type",)}
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with device:  # parameters are created (and randomly initialised) on the device
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     torch.set_default_dtype(torch.float32)
     model.eval().requires_grad_(False)
     weights = torch.cuda.memory_allocated() if cuda else None
