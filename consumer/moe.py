@@ -122,7 +122,9 @@ class TeacherMoE(torch.nn.Module):
             picks = where[order]
             local = flat - self.first_expert
         expert = local[picks]
-        counts = torch.bincount(expert, minlength=self.num_local)
+        # rows per local expert without a host sync (bincount on CUDA reads the ids' max back)
+        counts = torch.zeros(self.num_local, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, expert, torch.ones_like(expert))
         tokens = torch.div(picks, self.top_k, rounding_mode="floor")
         fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
         y = swiglu_experts(x[tokens], fc1, self.experts_fc2, counts)

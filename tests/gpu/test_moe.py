@@ -6,6 +6,8 @@
   float32 log-probs, top-k and entropy (<= 2e-3); loaded in bf16 (grouped GEMM, fused SwiGLU),
   it is no further from that float32 reference than transformers' own bf16 forward is (2x,
   plus a small floor).
+- With one expert-parallel rank, the MoE forward and the head queue without a host sync, so the
+  consumer can queue the next batch while the device computes this one.
 """
 
 from __future__ import annotations
@@ -111,3 +113,19 @@ def test_family_on_cuda_matches_transformers(name, hf_checkpoint, layout) -> Non
         ours_err = max(ours_err, float(np.abs(b["logprobs"] - ref[rows, ids[1:]]).max()))
         hf_err = max(hf_err, float(np.abs(h[rows, ids[1:]] - ref[rows, ids[1:]]).max()))
     assert ours_err <= 2 * hf_err + 2e-2, (ours_err, hf_err)
+
+
+def test_the_moe_forward_never_waits_for_the_device(hf_checkpoint, layout) -> None:
+    case = dict(CASES["qwen2_moe"])  # routed experts and the shared expert
+    path = str(hf_checkpoint(case.pop("family"), "gpu-moe-qwen2_moe", seed=7, **SHAPE, **case))
+    model, spec = load_hf_checkpoint(path, layout, params_dtype=torch.bfloat16, device=CUDA)
+    scorer = Scorer(model=model, spec=spec, layout=layout, device=CUDA)
+    batch = batch_from_jobs(_jobs())
+    scorer.score(batch)  # first use: rotary table and kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = scorer.launch(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pending.result()[0]["topk_token_ids"].shape == (LENGTHS[0] - 1, TOP_K)
