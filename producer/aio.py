@@ -28,12 +28,13 @@ from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
 from shared.memory import MemoryInfo, memory_from_info
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
-from shared.redis_server import connect_async
+from shared.redis_server import connect, connect_async
 from shared.results import decode_record, record_object
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import COMPLETE_SCRIPT, SUBMIT_SCRIPT, Entry, Fields, complete_call, submit_call
-from shared.tracing import end_span, start_span
+from shared.trace_store import ensure_sink
+from shared.tracing import current_sink, end_span
 from shared.weights import served_from_fields
 
 log = get_logger("teacherq.client")
@@ -46,7 +47,8 @@ class AsyncTeacherClient:
 
     With no arguments, settings come from the environment (TEACHERQ_*), and with no Redis URL
     the embedded server under ./.teacherq/ is started or attached to (that start blocks once,
-    in the constructor). Use `async with`, or call `aclose()`.
+    in the constructor). Use `async with`, or call `aclose()`. Spans are recorded as by
+    `TeacherClient` (`trace_process`).
     """
 
     def __init__(
@@ -56,10 +58,15 @@ class AsyncTeacherClient:
         client: redis.asyncio.Redis | None = None,
         store: ObjectStore | None = None,
         max_connections: int = 64,
+        trace_process: str | None = "teacherq client",
     ) -> None:
         self.settings = settings or load_settings()
         self.queue = self.settings.queue.name
         self.r = client or connect_async(self.settings.redis, max_connections=max_connections)
+        if trace_process is not None and current_sink() is None:
+            # As TeacherClient: `submit` spans recorded, by a sink thread on its own (blocking)
+            # connection, off the event loop.
+            ensure_sink(connect(self.settings.redis), self.settings.queue, process=trace_process)
         self._store = store
         self._submit = self.r.register_script(SUBMIT_SCRIPT)
         self._complete = self.r.register_script(COMPLETE_SCRIPT)
@@ -108,7 +115,7 @@ class AsyncTeacherClient:
     async def _enqueue(self, jobs: list[protocol.Prepared]) -> None:
         """One transaction per unit, one `submit` span per job (as `TeacherClient._enqueue`)."""
         await self._wait_for_room(sum(p.request.num_tokens for p in jobs))
-        spans = [start_span("submit", job_id=p.job_id, tokens=p.request.num_tokens) for p in jobs]
+        spans = [protocol.submit_span(p) for p in jobs]
         try:
             async with self.r.pipeline(transaction=True) as pipe:
                 for p, s in zip(jobs, spans, strict=True):

@@ -54,14 +54,9 @@ def _setup_logging(settings: Settings) -> None:
 
 def _client(settings: Settings):
     from producer.client import TeacherClient
-    from shared.trace_store import install_sink
 
-    client = TeacherClient(settings)
     # The CLI's own spans (submit) go to Redis too, so `teacherq trace` shows the whole tree.
-    q = settings.queue
-    install_sink(client.r, q.name, process="teacherq cli", ttl_s=q.trace_ttl_s,
-                 sample_rate=q.trace_sample_rate)  # fmt: skip
-    return client
+    return TeacherClient(settings, trace_process="teacherq cli")
 
 
 def _tty() -> bool:

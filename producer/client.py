@@ -23,7 +23,8 @@ from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Fields, StreamReply, Streams
-from shared.tracing import end_span, start_span
+from shared.trace_store import ensure_sink
+from shared.tracing import end_span
 from shared.weights import UpdateRequest
 
 log = get_logger("teacherq.client")
@@ -33,7 +34,9 @@ class TeacherClient:
     """Submit jobs to a teacherq queue and collect their results.
 
     With no arguments, settings come from the environment (TEACHERQ_*), and with no Redis URL
-    the embedded server under ./.teacherq/ is started or attached to.
+    the embedded server under ./.teacherq/ is started or attached to. Each job's `submit` span
+    is recorded (`teacherq trace JOB_ID`) under `trace_process` unless the process already
+    chose a span sink; None records nothing.
     """
 
     def __init__(
@@ -42,12 +45,17 @@ class TeacherClient:
         *,
         client: redis.Redis | None = None,
         store: ObjectStore | None = None,
+        trace_process: str | None = "teacherq client",
     ) -> None:
         self.settings = settings or load_settings()
         self.queue = self.settings.queue.name
         self.r = client or connect(self.settings.redis)
         self.streams = Streams(self.r, self.queue, self.settings.queue.group)
         self._store = store
+        if trace_process is not None:
+            # Unless this process already records spans, its `submit` spans go to Redis (and
+            # to an OTLP collector if OTEL_EXPORTER_OTLP_* is set), as the CLI's do.
+            ensure_sink(self.r, self.settings.queue, process=trace_process)
 
     @property
     def store(self) -> ObjectStore:
@@ -99,7 +107,7 @@ class TeacherClient:
         responses of a GRPO group submitted together meet in one batch and share their
         prompt, even when an idle consumer is blocked on the stream. One `submit` span each."""
         self._wait_for_room(sum(p.request.num_tokens for p in jobs))
-        spans = [start_span("submit", job_id=p.job_id, tokens=p.request.num_tokens) for p in jobs]
+        spans = [protocol.submit_span(p) for p in jobs]
         pipe = self.r.pipeline(transaction=True)
         for p, s in zip(jobs, spans, strict=True):
             req = p.request

@@ -81,7 +81,7 @@ class Gateway:
             ) from exc
         self.server.daemon_threads = True
         self.server.gateway = self  # type: ignore[attr-defined]  # read by the handlers
-        self.client = TeacherClient(settings)
+        self.client = TeacherClient(settings, trace_process="teacherq gateway")
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name="teacherq gateway loop", daemon=True
@@ -123,7 +123,7 @@ class Gateway:
 
     def generate(self, payload: dict[str, Any], handler: _Handler) -> dict[str, Any] | None:
         """Submit one job and wait for it; None when the client went away (job cancelled)."""
-        req, own_id = self._request(payload)
+        req, own_id = self._request(payload, traceparent=handler.headers.get("traceparent"))
         try:
             [job_id] = self.client.submit([req])
         except InvalidJob as exc:
@@ -153,9 +153,12 @@ class Gateway:
             raise HttpError(500, f"result failed: {res.error}", request_id=job_id)
         return _response(job_id, res, req.num_tokens - 1)
 
-    def _request(self, payload: dict[str, Any]) -> tuple[TeacherRequest, bool]:
+    def _request(
+        self, payload: dict[str, Any], *, traceparent: str | None = None
+    ) -> tuple[TeacherRequest, bool]:
         """The queue request for a /generate payload (slime's fields and teacherq's own), and
-        whether the caller named the job id."""
+        whether the caller named the job id. An HTTP `traceparent` header (W3C trace context)
+        makes the caller's span the parent of the job's spans."""
         if "input_ids" not in payload:
             raise HttpError(400, "missing input_ids")
         ids = payload["input_ids"]
@@ -179,6 +182,8 @@ class Gateway:
         }
         fields.update({k: payload[k] for k in OWN_FIELDS if payload.get(k) is not None})
         own_id = "job_id" in fields
+        if traceparent:
+            fields["trace"] = {"traceparent": traceparent}
         fields.setdefault("job_id", f"gw-{uuid.uuid4().hex}")
         # Like slime's server after an update: a request is computed by the newest weights.
         fields["min_model_generation"] = protocol.job_generation(
@@ -295,7 +300,7 @@ class Gateway:
 
 async def _make_async_client(settings: Settings) -> AsyncTeacherClient:
     # Built on the loop thread, so its locks and connections belong to that loop.
-    return AsyncTeacherClient(settings)
+    return AsyncTeacherClient(settings, trace_process="teacherq gateway")
 
 
 def _sample_n(value: Any) -> int:

@@ -24,6 +24,7 @@ from shared.messages import (
 from shared.results import encode_record
 from shared.settings import Settings
 from shared.streams import StreamReply
+from shared.tracing import Span, start_span
 from shared.weights import Served
 
 CANCELLED = "cancelled by the user"
@@ -190,3 +191,12 @@ def announced(reply: Any, cursor: bytes | str) -> tuple[bytes | str, list[str]]:
             cursor = entry_id
             ids.append(fields.get(b"job_id", b"").decode())
     return cursor, ids
+
+
+def submit_span(p: Prepared) -> Span:
+    """A job's `submit` span (ended by the caller with `end_span`): a child of the request's
+    own `trace` carrier when it has one (a trainer's W3C `traceparent`), else of the current
+    span (teacherq's, or the trainer's OpenTelemetry span). The job then carries this span's
+    carrier, so every consumer span of the job lies in the same trace."""
+    req = p.request
+    return start_span("submit", carrier=req.trace or None, job_id=p.job_id, tokens=req.num_tokens)

@@ -72,7 +72,7 @@ def test_base_install_declares_no_heavy_dependency_and_every_one_is_capped() -> 
             continue
         assert "<" in req or "==" in req, f"{req!r} has no upper bound"
     # `make test` and `make demo` install `.[dev]` (with the extras named too): everything.
-    assert "teacherq[consumer,datasets]" in extras["dev"]
+    assert "teacherq[consumer,datasets,otel]" in extras["dev"]
     for package in ("producer", "shared", "consumer"):
         assert (REPO / package / "py.typed").exists()
 

@@ -22,12 +22,15 @@ from producer import TeacherClient
 from shared import keys
 from shared.redis_server import free_port
 from shared.settings import Settings, to_env
+from shared.trace_store import TraceStore
 from shared.weights import request_update
 from tests.conftest import REPO
 from tests.integration.test_faults import fast
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
 
 pytestmark = pytest.mark.integration
+
+TRAINER_TRACE, TRAINER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
 
 class Http:
@@ -37,11 +40,20 @@ class Http:
         self.port = port
 
     def call(
-        self, method: str, path: str, body: Any = None, *, raw: bytes | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, Any]]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=180)
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {
+            **({"Content-Type": "application/json"} if data is not None else {}),
+            **(headers or {}),
+        }
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         out = json.loads(resp.read())
@@ -184,8 +196,22 @@ def test_generate_errors_loads_and_disconnect(settings, start_consumer, start_ga
             "seed": 5,
             "job_id": "mine",
         },
+        headers={"traceparent": f"00-{TRAINER_TRACE}-{TRAINER_SPAN}-01"},
     )
     assert status == 200 and own["request_id"] == "mine"
+    # The caller's W3C traceparent header parents the job's spans (recorded by the gateway
+    # and the consumer in Redis, for `teacherq trace`).
+    store = TraceStore(TeacherClient(s).r, s.queue.name)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        spans = {x["name"]: x for x in store.job_spans("mine")}
+        if {"submit", "forward"} <= set(spans):
+            break
+        time.sleep(0.1)
+    assert spans["submit"]["trace_id"] == TRAINER_TRACE, spans
+    assert spans["submit"]["parent_span_id"] == TRAINER_SPAN
+    assert spans["submit"]["process"] == "teacherq gateway"
+    assert spans["forward"]["parent_span_id"] == spans["submit"]["span_id"]
     ref = tiny_full_log_softmax(ids, 1.3)
     np.testing.assert_allclose(own["log_probs"], ref[rows, ids[1:]], atol=2e-4)
     np.testing.assert_allclose(
