@@ -77,7 +77,7 @@ class Gateway:
         except OSError as exc:
             raise ListenError(
                 f"cannot listen on {host}:{port}: {exc.strerror or exc} "
-                "(set --host/--port or TEACHERQ_GATEWAY__HOST/__PORT)"
+                "(set --port / --host, or TEACHERQ_GATEWAY__PORT / TEACHERQ_GATEWAY__HOST)"
             ) from exc
         self.server.daemon_threads = True
         self.server.gateway = self  # type: ignore[attr-defined]  # read by the handlers

@@ -200,7 +200,9 @@ def connect_async(cfg: RedisSettings, *, max_connections: int = 64) -> redis.asy
     """An asyncio client for the configured Redis, with `connect`'s retry policy. Its pool
     blocks (never fails) past `max_connections`, so thousands of concurrent tasks share a
     bounded number of connections. Starting the embedded server, when no URL is set, blocks:
-    call this outside the event loop (or in `asyncio.to_thread`)."""
+    call this outside the event loop (or in `asyncio.to_thread`). Unlike `connect`, it keeps
+    the embedded server's port of the moment (an embedded server restarted on another port is
+    not followed: build a new client)."""
     from redis.asyncio import BlockingConnectionPool
     from redis.asyncio.retry import Retry as AsyncRetry
 

@@ -251,6 +251,9 @@ def test_update_weights_from_disk(settings, start_consumer, start_gateway, teach
     np.testing.assert_allclose(before["log_probs"], hf_token_logprobs(a, np.array(ids)), atol=1e-4)
 
     assert gw.call("POST", "/update_weights_from_disk", {})[0] == 400
+    # Checked where the gateway runs before anything is committed (as `update-weights`).
+    status, out = gw.call("POST", "/update_weights_from_disk", {"model_path": "/no/such/ckpt"})
+    assert status == 400 and "/no/such/ckpt" in out["error"], out
     status, out = gw.call("POST", "/update_weights_from_disk", {"model_path": str(a)})
     assert status == 200 and out == {"ok": True, "model_path": str(a), "skipped": True}
 
@@ -269,3 +272,27 @@ def test_update_weights_from_disk(settings, start_consumer, start_gateway, teach
     assert status == 200 and out["skipped"] is True
     status, info = gw.call("GET", "/info")
     assert info["args"]["load"] == str(b) and info["model"]["generation"] == 1
+
+
+def test_serve_on_a_taken_port_is_one_line_and_exit_2(settings) -> None:
+    """A port another process holds: `teacherq serve` says so in one line naming the settings
+    to change, and exits 2 (bad input) without starting anything."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "producer.cli", "serve", "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        taken.close()
+    assert run.returncode == 2, run.stderr
+    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], run.stderr
+    assert "TEACHERQ_GATEWAY__PORT" in lines[0]
