@@ -76,3 +76,46 @@ def test_same_tokens_after_update_weights_are_computed_by_the_new_weights(
     entries = client.r.xlen(client.streams.jobs)
     client.submit([fresh_req])
     assert client.r.xlen(client.streams.jobs) == entries
+
+
+def test_a_failed_update_renames_nothing_and_a_failed_result_stays(
+    settings, start_consumer, teachers, tmp_path
+) -> None:
+    """An update no replica can load fails and is never served: content ids keep the active
+    generation (the same request is the same, stored job) and new content is computed at once
+    by the weights still served, instead of waiting forever for the failed generation. A
+    failed (cancelled) record is not recomputed by asking for a newer generation: replay is
+    the way to rerun failures."""
+    from shared.errors import WeightUpdateFailed
+
+    a, b = teachers
+    s = fast(settings).model_copy(
+        update={"model": settings.model.model_copy(update={"path": str(a)})}
+    )
+    start_consumer(s)
+    client = TeacherClient(s)
+    client.update_weights(str(b), wait=True, timeout=120)  # generation 1, served
+    content = TeacherRequest(input_ids=[31, 32, 33, 34])
+    [job] = client.submit([content])
+    [res] = client.wait([job], timeout=120)
+    assert res.ok and res.model_generation == 1
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(WeightUpdateFailed):
+        client.update_weights(str(broken), wait=True, timeout=120, check=False)  # generation 2
+    assert client.submit([content]) == [job]  # still named after generation 1: nothing new
+    [other] = client.submit([TeacherRequest(input_ids=[41, 42, 43])])
+    [res] = client.wait([other], timeout=60)
+    assert res.ok and res.model_generation == 1
+    np.testing.assert_allclose(res.logprobs, hf_token_logprobs(b, [41, 42, 43]), atol=1e-4)
+
+    [gone] = client.submit([TeacherRequest(input_ids=[51, 52, 53], job_id="gone")])
+    client.cancel(gone)
+    again = TeacherRequest(input_ids=[51, 52, 53], job_id="gone", min_model_generation=1)
+    entries = client.r.xlen(client.streams.jobs)
+    assert client.submit([again]) == ["gone"]
+    assert client.r.xlen(client.streams.jobs) == entries  # the cancelled record stands
+    [res] = client.wait(["gone"], timeout=5)
+    assert res.error == "cancelled by the user"
