@@ -159,3 +159,43 @@ def test_async_results_match_sync_client_and_reference(
         assert res.ok, res.error
         ref = tiny_full_log_softmax(ids)
         np.testing.assert_allclose(res.logprobs, ref[np.arange(len(ids) - 1), ids[1:]], atol=2e-4)
+
+
+def test_async_client_fails_like_the_sync_one(settings: Settings) -> None:
+    """No consumer needed: an unknown id raises UnknownJob from results, cancel and a wait
+    without timeout (None with strict=False); a cancelled job raises JobFailed with
+    raise_on_error; a full queue with backpressure=raise refuses with QueueFull naming the
+    setting; delete_result_on_read removes what was read."""
+    from producer import JobFailed, QueueFull, UnknownJob
+
+    s = settings.model_copy(
+        update={
+            "queue": settings.queue.model_copy(
+                update={
+                    "max_pending_tokens": 8,
+                    "backpressure": "raise",
+                    "delete_result_on_read": True,
+                }
+            )
+        }
+    )
+
+    async def main() -> None:
+        async with AsyncTeacherClient(s, trace_process=None) as client:
+            with pytest.raises(UnknownJob, match="nope"):
+                await client.results(["nope"])
+            assert await client.results(["nope"], strict=False) == [None]
+            with pytest.raises(UnknownJob):
+                await client.cancel("nope")
+            with pytest.raises(UnknownJob):
+                await client.wait(["nope"])
+            [job] = await client.submit([TeacherRequest(input_ids=[1, 2, 3, 4, 5, 6])])
+            with pytest.raises(QueueFull, match="queue.max_pending_tokens=8"):
+                await client.submit([TeacherRequest(input_ids=[7, 8, 9])])
+            await client.cancel(job)
+            with pytest.raises(JobFailed, match="cancelled by the user"):
+                await client.wait([job], timeout=5, raise_on_error=True)
+            # The read above deleted the record (delete_result_on_read): gone from Redis.
+            assert await client.results([job], strict=False) == [None]
+
+    asyncio.run(main())
