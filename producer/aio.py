@@ -40,6 +40,7 @@ from shared.weights import served_from_fields
 log = get_logger("teacherq.client")
 
 READ_BLOCK_MS = 1000  # the completion reader re-checks for subscribers this often
+READ_SLICE = 256  # result records read per pipeline
 
 
 class AsyncTeacherClient:
@@ -224,10 +225,15 @@ class AsyncTeacherClient:
         """Results of finished jobs, None for jobs not finished yet (no waiting); as
         `TeacherClient.results`: unknown ids raise `UnknownJob` (None with `strict=False`),
         and queue.delete_result_on_read deletes the records returned."""
-        async with self.r.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hgetall(keys.result_key(self.queue, job_id))
-            records = cast(list[Fields], await pipe.execute())
+        records: list[Fields] = []
+        # In slices: packing and parsing one pipeline runs on the event loop, so thousands of
+        # ids in one would hold it for a noticeable time; between slices other tasks run.
+        for i in range(0, len(job_ids), READ_SLICE):
+            async with self.r.pipeline(transaction=False) as pipe:
+                for job_id in job_ids[i : i + READ_SLICE]:
+                    pipe.hgetall(keys.result_key(self.queue, job_id))
+                records += cast(list[Fields], await pipe.execute())
+            await asyncio.sleep(0)
         if strict:
             await self.check_known([j for j, rec in zip(job_ids, records, strict=True) if not rec])
         out = list(await asyncio.gather(*(self._decode(f) for f in records)))
