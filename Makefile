@@ -1,5 +1,7 @@
 # teacherq: `make demo` runs the pipeline locally, `make test` runs the test suite.
-# Both set everything up on a fresh machine (a virtualenv in .venv) and are idempotent.
+# Both set everything up on a fresh machine (a virtualenv in .venv) and are idempotent, with
+# every extra: the consumer (torch, megatron-core), datasets (pyarrow, rq), otel (OTLP export)
+# and dev tools. A trainer needs only the client: `pip install teacherq`.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[consumer,datasets,otel,dev]"
 	touch $(STAMP)
 
 # The demo serves a small random-init Qwen2-family Hugging Face checkpoint written locally

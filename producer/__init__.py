@@ -1,10 +1,12 @@
 """Trainer-facing side of teacherq: submit jobs, wait for teacher outputs.
 
     from producer import TeacherClient, TeacherRequest
+    from producer import AsyncTeacherClient  # asyncio trainers
 
 This package never imports torch or megatron (except `producer.optim`, imported explicitly).
 """
 
+from producer.aio import AsyncTeacherClient
 from producer.client import TeacherClient
 from shared.errors import (
     InvalidCheckpoint,
@@ -18,6 +20,7 @@ from shared.errors import (
 from shared.messages import TeacherRequest, TeacherResult
 
 __all__ = [
+    "AsyncTeacherClient",
     "InvalidCheckpoint",
     "InvalidJob",
     "JobFailed",

@@ -27,6 +27,17 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"teacherq {version('teacherq')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("teacherq (not installed)")
+        raise typer.Exit()
+
+
 def _settings() -> Settings:
     """The settings; a bad one raises SettingsError, which `main` reports (exit 78)."""
     return load_settings()
@@ -43,14 +54,9 @@ def _setup_logging(settings: Settings) -> None:
 
 def _client(settings: Settings):
     from producer.client import TeacherClient
-    from shared.trace_store import install_sink
 
-    client = TeacherClient(settings)
     # The CLI's own spans (submit) go to Redis too, so `teacherq trace` shows the whole tree.
-    q = settings.queue
-    install_sink(client.r, q.name, process="teacherq cli", ttl_s=q.trace_ttl_s,
-                 sample_rate=q.trace_sample_rate)  # fmt: skip
-    return client
+    return TeacherClient(settings, trace_process="teacherq cli")
 
 
 def _tty() -> bool:
@@ -271,9 +277,56 @@ def update_weights(
 
 
 @app.command()
+def serve(
+    host: str = typer.Option(None, help="Listen address (default: gateway.host)."),
+    port: int = typer.Option(None, help="Port (default: gateway.port, 7999)."),
+    temperature: float = typer.Option(None, help="Default temperature of /generate."),
+) -> None:
+    """HTTP gateway in the API of slime's Megatron teacher server (docs/gateway.md)."""
+    from pydantic import ValidationError
+
+    from producer.gateway import Gateway, ListenError
+    from producer.gateway import serve as run_gateway
+    from shared.log import configure_logging
+    from shared.settings import GatewaySettings
+
+    settings = _settings()
+    given = {"host": host, "port": port, "temperature": temperature}
+    try:
+        gateway = GatewaySettings.model_validate(
+            {**settings.gateway.model_dump(), **{k: v for k, v in given.items() if v is not None}}
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        err.print(f"invalid --{first['loc'][0]}: {first['msg']}", style="red", markup=False)
+        raise typer.Exit(exitcodes.USAGE) from None
+    settings = settings.model_copy(update={"gateway": gateway})
+    # A service: it logs at log.level (info unless set), like the consumer.
+    configure_logging(level=settings.log.level, fmt=settings.log.format)
+    try:
+        gw = Gateway(settings, host=gateway.host, port=gateway.port)  # binds first
+    except ListenError as exc:
+        err.print(str(exc), style="red", markup=False)
+        raise typer.Exit(exitcodes.USAGE) from None
+    run_gateway(gw)
+
+
+@app.command()
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
-    from consumer.__main__ import main
+    try:
+        import consumer.service  # noqa: F401 - loads torch and megatron, which main() needs
+        from consumer.__main__ import main
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("torch", "megatron"):
+            raise
+        # markup off: rich would read [consumer] as a style tag
+        err.print(
+            "the consumer needs torch and megatron-core: pip install 'teacherq[consumer]'",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(exitcodes.USAGE) from None
 
     raise typer.Exit(main())
 
@@ -321,6 +374,9 @@ cli_observe.register(app)
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
+    ),
 ) -> None:
     """teacherq: an offline teacher pipeline (Redis streams -> Megatron-core consumers)."""
     # --debug is read by producer.cli_errors.run_app before the verb runs; declared here for

@@ -10,43 +10,33 @@ from typing import Any, cast
 
 import redis
 
+from producer import protocol
 from producer.progress import WaitProgress, track_wait
 from shared import keys, weights
 from shared.checkpoint_probe import probe_checkpoint
-from shared.errors import InvalidJob, JobFailed, QueueFull, UnknownJob
+from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
 from shared.memory import MemoryInfo, read_memory
-from shared.messages import (
-    Limits,
-    TeacherRequest,
-    TeacherResult,
-    check_limits,
-    content_job_id,
-    encode_job,
-    parse_request,
-)
+from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
 from shared.redis_server import connect
-from shared.results import decode_record, encode_record
+from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Fields, StreamReply, Streams
-from shared.tracing import end_span, start_span
+from shared.trace_store import ensure_sink
+from shared.tracing import end_span
 from shared.weights import UpdateRequest
 
 log = get_logger("teacherq.client")
-
-
-# Jobs of one prompt group enqueued per transaction: a group submitted in one call reaches the
-# stream at once (a GRPO group is far smaller); a larger group goes in chunks of it.
-SUBMIT_CHUNK = 512
-MEMORY_CHECK_EVERY = 64  # jobs per INFO memory round trip while submitting
 
 
 class TeacherClient:
     """Submit jobs to a teacherq queue and collect their results.
 
     With no arguments, settings come from the environment (TEACHERQ_*), and with no Redis URL
-    the embedded server under ./.teacherq/ is started or attached to.
+    the embedded server under ./.teacherq/ is started or attached to. Each job's `submit` span
+    is recorded (`teacherq trace JOB_ID`) under `trace_process` unless the process already
+    chose a span sink; None records nothing.
     """
 
     def __init__(
@@ -55,12 +45,17 @@ class TeacherClient:
         *,
         client: redis.Redis | None = None,
         store: ObjectStore | None = None,
+        trace_process: str | None = "teacherq client",
     ) -> None:
         self.settings = settings or load_settings()
         self.queue = self.settings.queue.name
         self.r = client or connect(self.settings.redis)
         self.streams = Streams(self.r, self.queue, self.settings.queue.group)
         self._store = store
+        if trace_process is not None:
+            # Unless this process already records spans, its `submit` spans go to Redis (and
+            # to an OTLP collector if OTEL_EXPORTER_OTLP_* is set), as the CLI's do.
+            ensure_sink(self.r, self.settings.queue, process=trace_process)
 
     @property
     def store(self) -> ObjectStore:
@@ -78,79 +73,52 @@ class TeacherClient:
 
     def limits(self) -> Limits:
         """What this queue accepts; the vocabulary comes from settings or the live consumers."""
-        vocab, max_tokens = self.r.hmget(
-            keys.model_key(self.queue), ["vocab_size", "max_input_tokens"]
-        )
-        return Limits.for_queue(
-            self.settings.queue,
-            vocab_size=self.settings.model.vocab_size or (int(vocab) if vocab else None),
-            model_max_tokens=int(max_tokens) if max_tokens else None,
-        )
+        advertised = self.r.hmget(keys.model_key(self.queue), list(protocol.MODEL_FIELDS))
+        return protocol.limits(self.settings, cast(list[Any], advertised))
 
     def submit(self, requests: Iterable[TeacherRequest | dict[str, Any]]) -> list[str]:
         """Validate and enqueue requests; returns their job ids in order.
 
         Every request is validated before any is enqueued, so one bad request raises
         InvalidJob (naming its index and the problem) and enqueues nothing. A job id that was
-        submitted before is not enqueued again: submit is idempotent.
+        submitted before is not enqueued again: submit is idempotent. Jobs without a job_id of
+        their own are named after their content and the queue's weight generation, so after
+        `update_weights` the same tokens are computed again by the new weights; a stored
+        result older than a request's `min_model_generation` is computed again.
         """
-        limits = self.limits()
-        prepared: list[tuple[str, TeacherRequest]] = []
-        for i, raw in enumerate(requests):
-            try:
-                req = parse_request(raw)
-                check_limits(req, limits)
-            except InvalidJob as exc:
-                raise InvalidJob(f"request {i}: {exc}") from None
-            job_id = req.job_id or content_job_id(
-                req, queue=self.queue, teacher=self.settings.model.path
-            )
-            prepared.append((job_id, req))
+        served = weights.current(self.r, self.queue)
+        prepared = protocol.prepare(
+            requests,
+            limits=self.limits(),
+            settings=self.settings,
+            generation=protocol.job_generation(served),
+        )
         self.streams.ensure_group()
         enqueued = 0
-        for unit in self._units(prepared):
-            if (
-                enqueued == 0
-                or enqueued // MEMORY_CHECK_EVERY != (enqueued + len(unit)) // MEMORY_CHECK_EVERY
-            ):
+        for unit in protocol.units(prepared, self.settings):
+            if protocol.memory_check_due(enqueued, len(unit)):
                 self._wait_for_memory()
             self._enqueue(unit)
             enqueued += len(unit)
-        return [job_id for job_id, _ in prepared]
+        return [p.job_id for p in prepared]
 
-    def _units(
-        self, prepared: list[tuple[str, TeacherRequest]]
-    ) -> list[list[tuple[str, TeacherRequest]]]:
-        """Adjacent jobs that will share a prompt (the same prefix_id, or the same first
-        consumer.min_shared_prefix tokens) form one unit of at most SUBMIT_CHUNK jobs; every
-        other job is a unit of its own, so unrelated jobs still spread over consumers."""
-        n = self.settings.consumer.min_shared_prefix
-        units: list[list[tuple[str, TeacherRequest]]] = []
-        last = None
-        for job_id, req in prepared:
-            if req.prefix_id is not None:
-                key: object = ("id", req.prefix_id)
-            elif n and req.num_tokens > n:
-                key = ("tokens", req.input_ids[:n].tobytes())
-            else:
-                key = None
-            if key is not None and key == last and len(units[-1]) < SUBMIT_CHUNK:
-                units[-1].append((job_id, req))
-            else:
-                units.append([(job_id, req)])
-            last = key
-        return units
-
-    def _enqueue(self, jobs: list[tuple[str, TeacherRequest]]) -> None:
+    def _enqueue(self, jobs: list[protocol.Prepared]) -> None:
         """Enqueue jobs in one transaction: a consumer reads all of them or none, so the
         responses of a GRPO group submitted together meet in one batch and share their
         prompt, even when an idle consumer is blocked on the stream. One `submit` span each."""
-        self._wait_for_room(sum(req.num_tokens for _, req in jobs))
-        spans = [start_span("submit", job_id=j, tokens=req.num_tokens) for j, req in jobs]
+        self._wait_for_room(sum(p.request.num_tokens for p in jobs))
+        spans = [protocol.submit_span(p) for p in jobs]
         pipe = self.r.pipeline(transaction=True)
-        for (job_id, req), s in zip(jobs, spans, strict=True):
-            fields = encode_job(req.model_copy(update={"trace": s.carrier}), job_id=job_id)
-            self.streams.submit(job_id, fields, tokens=req.num_tokens, client=pipe)
+        for p, s in zip(jobs, spans, strict=True):
+            req = p.request
+            fields = encode_job(req.model_copy(update={"trace": s.carrier}), job_id=p.job_id)
+            self.streams.submit(
+                p.job_id,
+                fields,
+                tokens=req.num_tokens,
+                min_generation=p.min_generation,
+                client=pipe,
+            )
         try:
             entries = pipe.execute()
         except BaseException as exc:
@@ -164,16 +132,7 @@ class TeacherClient:
     def _memory_full(self) -> MemoryInfo | None:
         """Redis's memory figures if above queue.max_memory_fraction of maxmemory, else None."""
         info = read_memory(self.r)
-        return info if info.above(self.settings.queue.max_memory_fraction) else None
-
-    def _memory_message(self, info: MemoryInfo) -> str:
-        q = self.settings.queue
-        return (
-            f"queue {self.queue}: Redis memory is {info.describe()}, above "
-            f"queue.max_memory_fraction={q.max_memory_fraction}; results could not be stored. "
-            "Remedy: read finished results (or set queue.delete_result_on_read), shorten "
-            "queue.result_ttl_s / queue.trace_ttl_s, add consumers, or raise Redis maxmemory"
-        )
+        return info if protocol.memory_full(self.settings, info) else None
 
     def _wait_for_memory(self) -> None:
         """Memory backpressure: block (or raise, by queue.backpressure) while Redis uses more
@@ -183,7 +142,7 @@ class TeacherClient:
             return
         q = self.settings.queue
         if q.backpressure == "raise":
-            raise QueueFull(self._memory_message(info))
+            raise QueueFull(protocol.memory_message(self.settings, info))
         log.warning("submit.memory_backpressure", queue=self.queue, used=info.used,
                     limit=info.limit)  # fmt: skip
         deadline = time.monotonic() + q.backpressure_timeout_s
@@ -192,7 +151,8 @@ class TeacherClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise QueueFull(
-                    self._memory_message(info) + f" (waited {q.backpressure_timeout_s:.0f}s)"
+                    protocol.memory_message(self.settings, info)
+                    + f" (waited {q.backpressure_timeout_s:.0f}s)"
                 )
             # Completions are when memory may fall (acks, trims); wake on them, at least 1/s.
             reply = self.r.xread({self.streams.done: cursor}, block=int(min(left, 1) * 1000))
@@ -204,26 +164,20 @@ class TeacherClient:
         tokens than queue.max_pending_tokens. Wakes on completions, never sleep-polls."""
         q = self.settings.queue
         pending = self.streams.pending_tokens()
-        if pending + tokens <= q.max_pending_tokens or pending == 0:
-            return  # a job larger than the bound alone still goes through on an empty queue
+        if protocol.has_room(pending, tokens, self.settings):
+            return
         if q.backpressure == "raise":
-            raise QueueFull(
-                f"queue {self.queue} holds {pending} pending tokens; adding {tokens} would "
-                f"exceed queue.max_pending_tokens={q.max_pending_tokens}"
-            )
+            raise QueueFull(protocol.full_message(self.settings, pending, tokens))
         deadline = time.monotonic() + q.backpressure_timeout_s
         cursor = self._done_cursor()
         log.info("submit.backpressure", pending_tokens=pending, limit=q.max_pending_tokens)
         while True:
             pending = self.streams.pending_tokens()
-            if pending + tokens <= q.max_pending_tokens or pending == 0:
+            if protocol.has_room(pending, tokens, self.settings):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise QueueFull(
-                    f"queue {self.queue} stayed above queue.max_pending_tokens="
-                    f"{q.max_pending_tokens} for {q.backpressure_timeout_s:.0f}s"
-                )
+                raise QueueFull(protocol.stayed_full_message(self.settings))
             reply = self.r.xread({self.streams.done: cursor}, block=int(min(left, 1) * 1000))
             for _stream, entries in cast(StreamReply, reply) or []:
                 cursor = entries[-1][0]
@@ -307,12 +261,8 @@ class TeacherClient:
                         raise TimeoutError(f"{len(pending)} of {len(job_ids)} jobs not done")
                     block_ms = max(1, min(block_ms, int(left * 1000)))
                 reply = self.r.xread({self.streams.done: cursor}, block=block_ms, count=10_000)
-                announced = set()
-                for _stream, entries in cast(StreamReply, reply) or []:
-                    for entry_id, fields in entries:
-                        cursor = entry_id
-                        announced.add(fields.get(b"job_id", b"").decode())
-                check = list(announced & pending)
+                cursor, announced = protocol.announced(reply, cursor)
+                check = list(set(announced) & pending)
 
     def _done_cursor(self) -> bytes | str:
         """The id of the completion stream's last entry ("0-0" while empty): read from there,
@@ -341,12 +291,7 @@ class TeacherClient:
         is replaced by a `cancelled` failure. Waiters get that failure. Raises `UnknownJob`
         (and changes nothing) for an id never submitted to this queue."""
         self.check_known([job_id])
-        record = encode_record(
-            TeacherResult(job_id=job_id, error="cancelled by the user"),
-            queue=self.queue,
-            store=None,
-            inline_max_bytes=0,
-        )
+        record = protocol.cancel_record(self.queue, job_id)
         # One transaction: no consumer write can land between the delete and the rewrite.
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(keys.result_key(self.queue, job_id))

@@ -91,7 +91,7 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
         )
     try:
         redis_cfg = settings.redis.model_copy(update={"url": url})
-        client = TeacherClient(settings.model_copy(update={"redis": redis_cfg}))
+        client = TeacherClient(settings.model_copy(update={"redis": redis_cfg}), trace_process=None)
         # Record the demo's submit spans too, so `teacherq trace JOB_ID` shows whole trees.
         q = settings.queue
         sink = install_sink(client.r, q.name, process="teacherq demo", ttl_s=q.trace_ttl_s,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -46,7 +47,11 @@ def _mib(n: int) -> str:
 
 def read_memory(r: redis.Redis) -> MemoryInfo:
     """Used memory and maxmemory from INFO memory (a read: answered while Redis is full)."""
-    info = r.info("memory")
+    return memory_from_info(r.info("memory"))
+
+
+def memory_from_info(info: dict[str, Any]) -> MemoryInfo:
+    """MemoryInfo from an `INFO memory` reply (read by the caller, e.g. asyncio)."""
     return MemoryInfo(used=int(info.get("used_memory", 0)), limit=int(info.get("maxmemory", 0)))
 
 

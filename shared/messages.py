@@ -248,10 +248,16 @@ def _validation_message(exc: ValidationError) -> str:
 _OPTION_FIELDS = ("sample_n", "top_k", "return_entropy", "temperature", "seed")
 
 
-def content_job_id(req: TeacherRequest, *, queue: str, teacher: str | None) -> str:
-    """Idempotent job id: a hash of the arrays, the options, the queue and the teacher."""
+def content_job_id(
+    req: TeacherRequest, *, queue: str, teacher: str | None, generation: int = 0
+) -> str:
+    """Idempotent job id: a hash of the arrays, the options, the queue, the teacher and the
+    queue's weight generation (so the same tokens after `update-weights` are a new job,
+    computed by the new weights; generation 0 hashes as before generations existed)."""
     h = hashlib.sha256()
     h.update(f"v{SCHEMA_VERSION}|{queue}|{teacher or ''}|".encode())
+    if generation:
+        h.update(f"g{int(generation)}|".encode())
     h.update(json.dumps({k: getattr(req, k) for k in _OPTION_FIELDS}, sort_keys=True).encode())
     h.update(encode_array(req.input_ids))
     if req.label_token_ids is not None:

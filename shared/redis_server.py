@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+import redis.asyncio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -193,3 +194,30 @@ def connect(cfg: RedisSettings) -> redis.Redis:
         client_name=f"teacherq-{os.getpid()}",
         **extra,
     )
+
+
+def connect_async(cfg: RedisSettings, *, max_connections: int = 64) -> redis.asyncio.Redis:
+    """An asyncio client for the configured Redis, with `connect`'s retry policy. Its pool
+    blocks (never fails) past `max_connections`, so thousands of concurrent tasks share a
+    bounded number of connections. Starting the embedded server, when no URL is set, blocks:
+    call this outside the event loop (or in `asyncio.to_thread`). Unlike `connect`, it keeps
+    the embedded server's port of the moment (an embedded server restarted on another port is
+    not followed: build a new client)."""
+    from redis.asyncio import BlockingConnectionPool
+    from redis.asyncio.retry import Retry as AsyncRetry
+
+    url = cfg.url
+    if url is None:
+        url, _ = ensure_embedded(Path(cfg.home))
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+        client_name=f"teacherq-{os.getpid()}",
+    )
+    return redis.asyncio.Redis.from_pool(pool)  # owns the pool: closing the client closes it

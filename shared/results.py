@@ -69,8 +69,18 @@ def encode_record(
     return fields
 
 
-def decode_record(fields: dict[bytes, bytes], *, store: ObjectStore | None) -> TeacherResult:
-    """A TeacherResult from hash fields, fetching (and verifying) bulk arrays if needed."""
+def record_object(fields: dict[bytes, bytes]) -> dict[str, Any] | None:
+    """The object-storage pointer of a record (`{"key", "checksum", ...}`), None when its
+    arrays are inline; lets an asyncio reader fetch the blob itself before `decode_record`."""
+    obj = json.loads(fields[b"meta"]).get("object")
+    return obj or None
+
+
+def decode_record(
+    fields: dict[bytes, bytes], *, store: ObjectStore | None, blob: bytes | None = None
+) -> TeacherResult:
+    """A TeacherResult from hash fields, fetching (and verifying) bulk arrays if needed.
+    `blob`: the record's object, already fetched and verified by the caller."""
     meta = json.loads(fields[b"meta"])
     result = TeacherResult(
         job_id=meta["job_id"],
@@ -82,9 +92,11 @@ def decode_record(fields: dict[bytes, bytes], *, store: ObjectStore | None) -> T
     )
     obj = meta.get("object")
     if obj:
-        if store is None:
-            raise ValueError(f"result {result.job_id} is in object storage but no store is set")
-        arrays = st_load(store.get(obj["key"], checksum=obj["checksum"]))
+        if blob is None:
+            if store is None:
+                raise ValueError(f"result {result.job_id} is in object storage but no store is set")
+            blob = store.get(obj["key"], checksum=obj["checksum"])
+        arrays = st_load(blob)
     else:
         arrays = {
             k.decode()[2:]: decode_array(v, name=k.decode()[2:])

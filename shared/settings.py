@@ -303,6 +303,29 @@ class LogSettings(_Section):
     """auto: pretty on a TTY, JSON lines otherwise."""
 
 
+class GatewaySettings(_Section):
+    host: str = "127.0.0.1"
+    """Address `teacherq serve` listens on (0.0.0.0: every interface)."""
+
+    port: int = Field(default=7999, ge=0, le=65535)
+    """Port of `teacherq serve` (slime's teacher server default; 0: any free port)."""
+
+    temperature: float = Field(default=1.0, gt=0)
+    """Temperature `/generate` applies when a request names none (slime's server-wide
+    `--rollout-temperature`)."""
+
+    max_length: int = Field(default=0, ge=0)
+    """`/generate` answers 413 for inputs longer than this (slime's
+    `--megatron-server-max-length`); 0: only the queue's own input limit applies."""
+
+    request_timeout_s: float = Field(default=3600.0, gt=0)
+    """How long `/generate` waits for its job before answering 504."""
+
+    update_timeout_s: float = Field(default=3600.0, gt=0)
+    """How long `/update_weights_from_disk` waits for every replica (a request's `timeout_s`
+    overrides it) before answering 503."""
+
+
 class Settings(BaseSettings):
     """The whole teacherq configuration."""
 
@@ -317,6 +340,7 @@ class Settings(BaseSettings):
     storage: StorageSettings = StorageSettings()
     consumer: ConsumerSettings = ConsumerSettings()
     log: LogSettings = LogSettings()
+    gateway: GatewaySettings = GatewaySettings()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Settings:

@@ -444,13 +444,30 @@ class ObjectStore:
         except Exception as exc:
             raise self._error(exc, "get", key) from exc
         if expected is not None:
-            actual = compute_checksum(data)
-            if actual != expected:
-                raise ChecksumMismatch(
-                    f"checksum mismatch for {self.url_for(key)}: expected {expected}, "
-                    f"got {actual} ({len(data)} bytes)"
-                )
+            self._verify(key, data, expected)
         return data
+
+    async def get_async(self, key: str, *, checksum: str | None = None) -> bytes:
+        """``get`` for asyncio callers: the read does not block the event loop (obstore's
+        native async API); the checksum is verified the same way."""
+        _validate_key(key)
+        expected = _parse_checksum(checksum) if checksum is not None else None
+        try:
+            result = await obstore.get_async(self._store, key)
+            data = (await result.bytes_async()).to_bytes()
+        except Exception as exc:
+            raise self._error(exc, "get", key) from exc
+        if expected is not None:
+            self._verify(key, data, expected)
+        return data
+
+    def _verify(self, key: str, data: bytes, expected: str) -> None:
+        actual = compute_checksum(data)
+        if actual != expected:
+            raise ChecksumMismatch(
+                f"checksum mismatch for {self.url_for(key)}: expected {expected}, "
+                f"got {actual} ({len(data)} bytes)"
+            )
 
     def exists(self, key: str) -> bool:
         """Return whether an object is stored under ``key``."""

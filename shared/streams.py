@@ -27,13 +27,25 @@ Entry = tuple[bytes, dict[bytes, bytes]]  # a stream entry: id, fields
 StreamReply = list[tuple[bytes, list[Entry]]]  # XREAD / XREADGROUP: per stream, its entries
 Fields = dict[bytes, bytes]  # HGETALL
 
-# KEYS: submitted marker, jobs stream, pending-token counter. ARGV: marker TTL, token count,
-# then stream field/value pairs. Returns the new entry id, or false if the job id was
-# submitted before.
-_SUBMIT = """#!lua
+# KEYS: submitted marker, jobs stream, pending-token counter, result hash. ARGV: marker TTL,
+# token count, minimum model generation, then stream field/value pairs. Returns the new entry
+# id, or false if the job id was submitted before. With a minimum generation, a stored
+# successful result computed by an older generation (its `meta` JSON's `model_generation`) does
+# not count: it is dropped first, with the marker, so newer weights compute the job again. A
+# failed or cancelled record stays (`teacherq replay` is the way to run a failed job again).
+SUBMIT_SCRIPT = """#!lua
+local min_gen = tonumber(ARGV[3])
+if min_gen > 0 and redis.call('HGET', KEYS[4], 'status') == 'ok' then
+  local ok, meta = pcall(cjson.decode, redis.call('HGET', KEYS[4], 'meta') or '{}')
+  local gen = 0
+  if ok and type(meta) == 'table' then gen = tonumber(meta['model_generation']) or 0 end
+  if gen < min_gen then
+    redis.call('DEL', KEYS[4], KEYS[1])
+  end
+end
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
   redis.call('INCRBY', KEYS[3], ARGV[2])
-  return redis.call('XADD', KEYS[2], '*', 'n_tokens', ARGV[2], unpack(ARGV, 3))
+  return redis.call('XADD', KEYS[2], '*', 'n_tokens', ARGV[2], unpack(ARGV, 4))
 end
 return false
 """
@@ -69,7 +81,7 @@ return 1
 # only when the job has no record yet, and the record notes the dead letter's id (field
 # `dead_entry`); a real result that arrives later (its write was waiting for room in Redis while
 # another consumer gave up on the job) replaces that record and removes the dead letter.
-_COMPLETE = (
+COMPLETE_SCRIPT = (
     "#!lua\n"
     + _ACK
     + """
@@ -115,8 +127,8 @@ class Streams:
         self.jobs = keys.jobs_stream(queue)
         self.done = keys.done_stream(queue)
         self.dead = keys.dead_stream(queue)
-        self._submit = client.register_script(_SUBMIT)
-        self._complete = client.register_script(_COMPLETE)
+        self._submit = client.register_script(SUBMIT_SCRIPT)
+        self._complete = client.register_script(COMPLETE_SCRIPT)
         self._ack = client.register_script(_ACK_ONLY)
         self._requeue = client.register_script(_REQUEUE)
         self.pending_tokens_key = keys.pending_tokens_key(queue)
@@ -148,15 +160,16 @@ class Streams:
         fields: dict[str, Any],
         *,
         tokens: int,
+        min_generation: int = 0,
         client: redis.Redis | redis.client.Pipeline | None = None,
     ) -> bytes | None:
         """Add a job unless its id was submitted before; returns the entry id or None (on a
         pipeline `client`, its execute() returns it). `tokens` is added to the pending-token
-        counter when the job is enqueued."""
-        argv: list[Any] = [keys.SUBMITTED_TTL_S, tokens]
-        for k, v in fields.items():
-            argv += [k, v]
-        keys_ = [keys.submitted_key(self.queue, job_id), self.jobs, self.pending_tokens_key]
+        counter when the job is enqueued. With `min_generation` > 0, a stored successful
+        result of an older model generation does not count (see SUBMIT_SCRIPT)."""
+        keys_, argv = submit_call(
+            self.queue, job_id, fields, tokens=tokens, min_generation=min_generation
+        )
         return self._submit(keys=keys_, args=argv, client=client)
 
     def ack(self, entry_id: str, *, tokens: int) -> None:
@@ -188,17 +201,65 @@ class Streams:
     ) -> bool:
         """Write the result record (first writer wins), announce, maybe dead-letter, XACK
         (taking `tokens` off the pending-token counter if this call acknowledged the entry)."""
-        argv: list[Any] = [
-            self.group, entry_id, ttl_s, job_id, status, keys.DONE_STREAM_MAXLEN, tokens
-        ]  # fmt: skip
-        flat: list[Any] = []
-        for k, v in record.items():
-            flat += [k, v]
-        argv += [len(flat), *flat]
-        for k, v in (dead_letter.to_fields() if dead_letter else {}).items():
-            argv += [k, v]
-        keys_ = [
-            keys.result_key(self.queue, job_id), self.done, self.jobs, self.dead,
-            self.pending_tokens_key,
-        ]  # fmt: skip
+        keys_, argv = complete_call(
+            self.queue,
+            self.group,
+            job_id=job_id,
+            entry_id=entry_id,
+            status=status,
+            record=record,
+            ttl_s=ttl_s,
+            tokens=tokens,
+            dead_letter=dead_letter,
+        )
         return bool(self._complete(keys=keys_, args=argv, client=client or self.r))
+
+
+# Keys and arguments of the scripts, built in one place for `Streams` and the asyncio client
+# (which registers the same scripts on its own connection).
+
+
+def submit_call(
+    queue: str, job_id: str, fields: dict[str, Any], *, tokens: int, min_generation: int = 0
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of SUBMIT_SCRIPT for one job."""
+    argv: list[Any] = [keys.SUBMITTED_TTL_S, tokens, max(0, int(min_generation))]
+    for k, v in fields.items():
+        argv += [k, v]
+    keys_ = [
+        keys.submitted_key(queue, job_id),
+        keys.jobs_stream(queue),
+        keys.pending_tokens_key(queue),
+        keys.result_key(queue, job_id),
+    ]
+    return keys_, argv
+
+
+def complete_call(
+    queue: str,
+    group: str,
+    *,
+    job_id: str,
+    entry_id: str,
+    status: str,
+    record: dict[str, Any],
+    ttl_s: int,
+    tokens: int = 0,
+    dead_letter: DeadLetter | None = None,
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of COMPLETE_SCRIPT (see `Streams.complete`)."""
+    argv: list[Any] = [group, entry_id, ttl_s, job_id, status, keys.DONE_STREAM_MAXLEN, tokens]
+    flat: list[Any] = []
+    for k, v in record.items():
+        flat += [k, v]
+    argv += [len(flat), *flat]
+    for k, v in (dead_letter.to_fields() if dead_letter else {}).items():
+        argv += [k, v]
+    keys_ = [
+        keys.result_key(queue, job_id),
+        keys.done_stream(queue),
+        keys.jobs_stream(queue),
+        keys.dead_stream(queue),
+        keys.pending_tokens_key(queue),
+    ]
+    return keys_, argv

@@ -46,7 +46,9 @@ from shared.keys import (
     trace_key,
 )
 from shared.log import get_logger
-from shared.tracing import SpanRecord, configure_sink
+from shared.otlp import sink_from_environment
+from shared.settings import QueueSettings
+from shared.tracing import SpanRecord, SpanSink, configure_sink, current_sink
 
 log = get_logger("teacherq.spans")
 
@@ -196,8 +198,51 @@ def install_sink(
     (also done at interpreter exit). Pass the queue's `trace_ttl_s` and `trace_sample_rate`
     settings so every process keeps the same traces for the same time."""
     sink = RedisSpanSink(client, queue, ttl_s=ttl_s, sample_rate=sample_rate)
-    configure_sink(sink, process=process)
+    otlp = sink_from_environment()
+    configure_sink(sink if otlp is None else _Tee(sink, otlp), process=process)
     return sink
+
+
+def ensure_sink(client: redis.Redis, queue: QueueSettings, *, process: str) -> bool:
+    """`install_sink` with the queue's trace settings, unless this process already records
+    its spans (its main() chose a sink). What every client does when it is built, so a job
+    submitted from the Python API has its `submit` span in `teacherq trace` as from the CLI.
+    Returns whether it installed one."""
+    if current_sink() is not None:
+        return False
+    install_sink(
+        client,
+        queue.name,
+        process=process,
+        ttl_s=queue.trace_ttl_s,
+        sample_rate=queue.trace_sample_rate,
+    )
+    return True
+
+
+class _Tee:
+    """Hands each record to the Redis sink, then to the OTLP exporter (`shared.otlp`)."""
+
+    def __init__(self, first: SpanSink, second: SpanSink) -> None:
+        self.sinks = (first, second)
+
+    def __call__(self, record: SpanRecord) -> None:
+        for sink in self.sinks:
+            sink(record)
+
+    def flush(self) -> None:
+        """Write or export what each sink holds now."""
+        for sink in self.sinks:
+            flush = getattr(sink, "flush", None)
+            if flush is not None:
+                flush()
+
+    def close(self) -> None:
+        """Close both sinks (each also closes at exit)."""
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
 
 
 # -- the reader ----------------------------------------------------------------------------

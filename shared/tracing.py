@@ -1,8 +1,13 @@
 """Spans on structlog contextvars: nested, cross-process, logged as `<name>.start` / `.end`.
 
 A span binds `trace_id`, `span_id` and `parent_span_id` into structlog's context for its
-duration, so every log line inside it carries them. A trace crosses processes through a small
-carrier dict (`{"trace_id": ..., "span_id": ...}`) that travels inside the TeacherRequest.
+duration, so every log line inside it carries them. Ids follow W3C trace context: 128-bit trace
+ids (32 hex chars), 64-bit span ids (16 hex). A trace crosses processes through a small
+carrier dict that travels inside the TeacherRequest: `{"traceparent": "00-<trace>-<span>-01",
+"trace_id": ..., "span_id": ...}`. A carrier given from outside may hold only a W3C
+`traceparent` (what an OpenTelemetry propagator injects), so a trainer's span can parent a
+job's spans; with none, a trainer's current OpenTelemetry span (if the trainer uses it) is the
+parent of a `submit` span.
 Phases measured inside one call can be attached afterwards as children with explicit offsets
 (`Span.child`), e.g. the h2d / forward / head / d2h phases of a batch; phases measured at known
 wall-clock times (a job's queue wait) are recorded with `record`.
@@ -31,6 +36,7 @@ import inspect
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -80,8 +86,70 @@ def now() -> float:
 
 
 def new_id() -> str:
-    """A random 64-bit span/trace id as 16 hex chars."""
+    """A random 64-bit span id (also a batch id) as 16 hex chars."""
     return secrets.token_hex(8)
+
+
+def new_trace_id() -> str:
+    """A random 128-bit trace id as 32 hex chars (W3C trace context)."""
+    return secrets.token_hex(16)
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _hex_id(value: str, size: int) -> bool:
+    return len(value) == size and set(value) <= _HEX and value != "0" * size
+
+
+def traceparent(trace_id: str, span_id: str, *, sampled: bool = True) -> str:
+    """The W3C `traceparent` header value of a span (a 64-bit trace id is left-padded)."""
+    return f"00-{trace_id.rjust(32, '0')}-{span_id}-{'01' if sampled else '00'}"
+
+
+def make_carrier(trace_id: str, span_id: str) -> dict[str, str]:
+    """The carrier of a span: its W3C `traceparent` and, for readers of older versions,
+    `trace_id` and `span_id`."""
+    return {
+        "traceparent": traceparent(trace_id, span_id),
+        "trace_id": trace_id,
+        "span_id": span_id,
+    }
+
+
+def parse_carrier(carrier: dict[str, str] | None) -> tuple[str, str | None] | None:
+    """(trace id, parent span id) from a carrier: its `trace_id` / `span_id`, else a valid W3C
+    `traceparent` (version 00, or a later one read as 00). None when it names no trace; an
+    invalid `traceparent` is ignored, as the W3C recommendation says (a new trace starts)."""
+    if not carrier:
+        return None
+    if carrier.get("trace_id"):
+        return carrier["trace_id"], carrier.get("span_id") or None
+    header = str(carrier.get("traceparent") or "").strip().lower()
+    parts = header.split("-")
+    if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or not set(parts[0]) <= _HEX:
+        return None
+    if parts[0] == "00" and len(parts) != 4:
+        return None
+    _version, trace_id, span_id = parts[:3]
+    if not (_hex_id(trace_id, 32) and _hex_id(span_id, 16)):
+        return None
+    return trace_id, span_id
+
+
+def _ambient_parent() -> tuple[str, str] | None:
+    """The caller's current OpenTelemetry span (trace id, span id), when the process uses
+    OpenTelemetry and has one open; looked up only if `opentelemetry.trace` is imported."""
+    otel = sys.modules.get("opentelemetry.trace")
+    if otel is None:
+        return None
+    try:
+        ctx = otel.get_current_span().get_span_context()
+    except Exception:  # noqa: BLE001 - another library's state: never break the traced code
+        return None
+    if not ctx.is_valid:
+        return None
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
 
 
 def current_carrier() -> dict[str, str]:
@@ -89,7 +157,7 @@ def current_carrier() -> dict[str, str]:
     ctx = structlog.contextvars.get_contextvars()
     if not ctx.get("trace_id") or not ctx.get("span_id"):
         return {}
-    return {"trace_id": ctx["trace_id"], "span_id": ctx["span_id"]}
+    return make_carrier(ctx["trace_id"], ctx["span_id"])
 
 
 # -- the sink ------------------------------------------------------------------------------
@@ -112,6 +180,11 @@ _state = _SinkState()
 @functools.cache
 def _host() -> str:
     return socket.gethostname()
+
+
+def current_sink() -> SpanSink | None:
+    """The sink configured now (None: spans are logged, not recorded)."""
+    return _state.sink
 
 
 def configure_sink(
@@ -201,7 +274,7 @@ class SpanRef:
     @property
     def carrier(self) -> dict[str, str]:
         """Carrier that makes other work a child of this span."""
-        return {"trace_id": self.trace_id, "span_id": self.span_id}
+        return make_carrier(self.trace_id, self.span_id)
 
     def child(self, name: str, *, start_s: float, end_s: float, **attrs: Any) -> SpanRef:
         """Record a child at offsets (seconds) from this span's start; returns it."""
@@ -268,11 +341,13 @@ def record(
     `now()` or a job's `submitted_at`), under `carrier` (a remote parent) or else the current
     span. Logged at debug level as `<name>.span`: a consumer records several per job. An end
     before the start (clocks of two hosts) gives an empty span with `clock_skew_ms`."""
-    if carrier and carrier.get("trace_id"):
-        trace_id, parent, remote = carrier["trace_id"], carrier.get("span_id"), True
+    remote_ids = parse_carrier(carrier)
+    if remote_ids is not None:
+        (trace_id, parent), remote = remote_ids, True
     else:
         here = current_carrier()
-        trace_id, parent, remote = here.get("trace_id") or new_id(), here.get("span_id"), False
+        trace_id, parent = here.get("trace_id") or new_trace_id(), here.get("span_id")
+        remote = False
     if end_time < start_time:
         # Times from two hosts (a producer's submitted_at, a consumer's claim) can disagree:
         # keep the span, empty, and say by how much rather than fail the caller.
@@ -316,8 +391,8 @@ class Span:
 
     @property
     def carrier(self) -> dict[str, str]:
-        """Carrier that makes remote work a child of this span."""
-        return {"trace_id": self.trace_id, "span_id": self.span_id}
+        """Carrier that makes remote work a child of this span (W3C `traceparent` included)."""
+        return make_carrier(self.trace_id, self.span_id)
 
     def set(self, **attrs: Any) -> None:
         """Add attributes reported on the `.end` event."""
@@ -342,18 +417,35 @@ class Span:
         )
 
 
-def start_span(name: str, *, root: bool = False, **attrs: Any) -> Span:
+def _parent(carrier: dict[str, str] | None, root: bool) -> tuple[str, str | None, bool]:
+    """(trace id, parent span id, remote) of a new span: the carrier's trace, else a new one
+    (root), else the current teacherq span's, else the caller's OpenTelemetry span's, else a
+    new trace."""
+    remote_ids = parse_carrier(carrier)
+    if remote_ids is not None:
+        return remote_ids[0], remote_ids[1], True
+    if root:
+        return new_trace_id(), None, False
+    ctx = structlog.contextvars.get_contextvars()
+    if ctx.get("trace_id"):
+        return ctx["trace_id"], ctx.get("span_id"), False
+    ambient = _ambient_parent()
+    if ambient is not None:
+        return ambient[0], ambient[1], True
+    return new_trace_id(), None, False
+
+
+def start_span(
+    name: str, *, carrier: dict[str, str] | None = None, root: bool = False, **attrs: Any
+) -> Span:
     """Open a span without making it the current one: for work that starts in one place and
     ends in another while other spans open and close in between (a batch the device computes
-    while the host stores the previous one). Its children are recorded with `Span.child`, its
-    end with `end_span`. Logs in between carry no trace ids of it."""
+    while the host stores the previous one, a job's `submit` inside a transaction). Its
+    children are recorded with `Span.child`, its end with `end_span`. Logs in between carry no
+    trace ids of it. Parents as `span` does (`carrier`, `root`)."""
     _check_attrs(name, attrs)
-    ctx = structlog.contextvars.get_contextvars()
-    if root:
-        trace_id, parent = new_id(), None
-    else:
-        trace_id, parent = ctx.get("trace_id") or new_id(), ctx.get("span_id")
-    s = Span(name, trace_id, parent, dict(attrs))
+    trace_id, parent, remote = _parent(carrier, root)
+    s = Span(name, trace_id, parent, dict(attrs), remote_parent=remote)
     _log.debug(f"{name}.start", start_time=s.start_wall, **attrs)
     return s
 
@@ -406,13 +498,7 @@ class _SpanScope:
 
     def __enter__(self) -> Span:
         ctx = structlog.contextvars.get_contextvars()
-        carrier = self._carrier
-        if carrier and carrier.get("trace_id"):
-            trace_id, parent, remote = carrier["trace_id"], carrier.get("span_id"), True
-        elif self._root:
-            trace_id, parent, remote = new_id(), None, False
-        else:
-            trace_id, parent, remote = ctx.get("trace_id") or new_id(), ctx.get("span_id"), False
+        trace_id, parent, remote = _parent(self._carrier, self._root)
         s = Span(self._name, trace_id, parent, dict(self._attrs), remote_parent=remote)
         bind: dict[str, Any] = {"trace_id": trace_id, "span_id": s.span_id}
         bind["parent_span_id"] = parent

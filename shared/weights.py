@@ -148,7 +148,11 @@ def _text(raw: Fields, name: bytes) -> str | None:
 
 def current(r: redis.Redis, queue: str) -> Served:
     """The queue's weight record (generation 0, no path, state idle, before any update)."""
-    raw = cast(Fields, r.hgetall(keys.weights_key(queue)))
+    return served_from_fields(cast(Fields, r.hgetall(keys.weights_key(queue))))
+
+
+def served_from_fields(raw: Fields) -> Served:
+    """`current` from the record's hash fields (read by the caller, e.g. asyncio)."""
     state = raw.get(b"state", b"idle").decode()
     path = _text(raw, b"path")
     if b"active_path" in raw:

@@ -40,6 +40,22 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(autouse=True)
+def _span_sink_restored() -> Iterator[None]:
+    """A client built in a test installs a process-wide span sink (TeacherClient records its
+    `submit` spans by default); put back the sink from before the test and close the test's,
+    so no sink outlives the Redis it writes to."""
+    from shared import tracing
+
+    before = tracing.current_sink()
+    yield
+    if tracing.current_sink() is not before:
+        installed = tracing.configure_sink(before)
+        close = getattr(installed, "close", None)
+        if close is not None:
+            close()
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Write a small random Hugging Face checkpoint (transformers' own save) once per session:

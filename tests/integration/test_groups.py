@@ -171,7 +171,8 @@ def test_sleep_and_wake_round_trip(settings, start_consumer, two_checkpoints) ->
     _wait_state(client, "sleeping")
     [rec] = client.consumers().values()
     assert rec["model_generation"] == 1 and rec["model_version"].startswith("teacher-b@")
-    # (a job id of its own: the same content would be the earlier job, already done)
+    # (a job id of its own; the same content after the update would be a new job too, see
+    # test_generations.py)
     after = TeacherRequest(input_ids=[5, 6, 7, 8], job_id="after-update")
     [res] = client.wait(client.submit([after]), timeout=60)
     assert res.ok and res.model_generation == 1

@@ -346,3 +346,22 @@ def test_put_with_retry_succeeds_first_time_without_sleeping(store: ObjectStore)
 def test_put_with_retry_validates_attempts(store: ObjectStore) -> None:
     with pytest.raises(ValueError, match="attempts must be >= 1"):
         store.put_with_retry("k", b"v", attempts=0)
+
+
+def test_get_async_reads_verifies_and_reports_like_get(store: ObjectStore) -> None:
+    """The asyncio read returns the same bytes as `get`, verifies the checksum (a wrong one
+    raises ChecksumMismatch) and names a missing key with ObjectNotFound."""
+    import asyncio
+
+    data = os.urandom(70_000)
+    checksum = store.put("results/async.tqa", data)
+
+    async def main() -> None:
+        assert await store.get_async("results/async.tqa", checksum=checksum) == data
+        assert await store.get_async("results/async.tqa") == store.get("results/async.tqa")
+        with pytest.raises(ChecksumMismatch):
+            await store.get_async("results/async.tqa", checksum=compute_checksum(b"other"))
+        with pytest.raises(ObjectNotFound, match="results/gone.tqa"):
+            await store.get_async("results/gone.tqa")
+
+    asyncio.run(main())

@@ -170,7 +170,11 @@ def test_record_at_wall_times_under_a_carrier_or_the_current_span(records) -> No
     qw = recs["queue_wait"]
     assert qw["trace_id"] == carrier["trace_id"] and qw["parent_span_id"] == carrier["span_id"]
     assert qw["remote_parent"] is True and qw["duration_ms"] == pytest.approx(1500.0, abs=1e-3)
-    assert ref.carrier == {"trace_id": carrier["trace_id"], "span_id": qw["span_id"]}
+    assert ref.carrier == {
+        "trace_id": carrier["trace_id"],
+        "span_id": qw["span_id"],
+        "traceparent": f"00-{carrier['trace_id']:0>32}-{qw['span_id']}-01",
+    }
     assert recs["decode"]["parent_span_id"] == recs["claim"]["span_id"]
 
 
@@ -343,3 +347,51 @@ def test_the_sink_records_the_process_rank_for_threads_without_it() -> None:
         ("store", 3, "consumer c"),
         ("loop", 3, "consumer c"),
     ]
+
+
+def test_trace_ids_are_w3c_and_a_traceparent_parents_a_span(records) -> None:
+    """New traces get 128-bit ids; a carrier holding only a W3C `traceparent` (what an
+    OpenTelemetry propagator injects) parents a span in that trace, and the span's own
+    carrier gives its traceparent back; an invalid traceparent starts a new trace."""
+    trainer_trace, trainer_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    header = f"00-{trainer_trace}-{trainer_span}-01"
+    with span("submit", carrier={"traceparent": header}) as s:
+        pass
+    with span("plain") as plain:
+        pass
+    for bad in (
+        f"00-{'0' * 32}-{trainer_span}-01",  # all-zero trace id
+        f"00-{trainer_trace}-{'0' * 16}-01",  # all-zero span id
+        f"ff-{trainer_trace}-{trainer_span}-01",  # version ff is invalid
+        f"00-{trainer_trace[:-1]}-{trainer_span}-01",  # short trace id
+        f"00-{trainer_trace}-{trainer_span}-01-extra",  # version 00 has four fields
+        "garbage",
+    ):
+        assert tracing.parse_carrier({"traceparent": bad}) is None, bad
+    # A later version is read as 00 (its extra fields ignored).
+    later = f"01-{trainer_trace}-{trainer_span}-01-more"
+    assert tracing.parse_carrier({"traceparent": later}) == (trainer_trace, trainer_span)
+    rec = by_name(records)["submit"]
+    assert rec["trace_id"] == trainer_trace and rec["parent_span_id"] == trainer_span
+    assert rec["remote_parent"] is True
+    assert s.carrier["traceparent"] == f"00-{trainer_trace}-{s.span_id}-01"
+    assert len(plain.trace_id) == 32 and int(plain.trace_id, 16) != 0
+    assert len(plain.span_id) == 16
+
+
+def test_a_trainers_opentelemetry_span_parents_a_submit(records) -> None:
+    """With no carrier and no teacherq span open, the caller's current OpenTelemetry span
+    (a trainer instrumented with the OpenTelemetry SDK) is the parent."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("trainer")
+    with tracer.start_as_current_span("rollout") as rollout:
+        with span("submit"):
+            pass
+        start_span_ = tracing.start_span("submit_unbound")
+        tracing.end_span(start_span_)
+    ctx = rollout.get_span_context()
+    recs = by_name(records)
+    for name in ("submit", "submit_unbound"):
+        assert recs[name]["trace_id"] == format(ctx.trace_id, "032x")
+        assert recs[name]["parent_span_id"] == format(ctx.span_id, "016x")
