@@ -112,6 +112,7 @@ class Leader:
             faults=faults,
             on_done=self._written,
             max_queued=c.max_queued_writes,
+            redis_cfg=settings.redis,
         )
         self.memory = MemoryWatch(
             client,

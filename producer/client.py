@@ -25,7 +25,7 @@ from shared.messages import (
     encode_job,
     parse_request,
 )
-from shared.redis_server import connect
+from shared.redis_server import await_replicas, connect
 from shared.results import decode_record, encode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
@@ -153,6 +153,7 @@ class TeacherClient:
             self.streams.submit(job_id, fields, tokens=req.num_tokens, client=pipe)
         try:
             entries = pipe.execute()
+            await_replicas(self.r, self.queue, self.settings.redis)  # redis.min_replicas_acked
         except BaseException as exc:
             for s in spans:
                 end_span(s, exc)

@@ -19,14 +19,22 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterPipeline, RedisCluster
+from redis.commands.core import Script
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
+from shared import keys
+from shared.errors import NotReplicated
 from shared.settings import RedisSettings
 
 STATE_FILE = "server.json"
@@ -173,23 +181,134 @@ class EmbeddedConnection(redis.Connection):
         super().connect_check_health(check_health, retry_socket_connect)
 
 
-def connect(cfg: RedisSettings) -> redis.Redis:
-    """A client for the configured Redis: the URL if set, else the embedded server."""
-    url = cfg.url
-    extra: dict[str, object] = {}
-    if url is None:
+@dataclass(frozen=True)
+class ConnectionPlan:
+    """How to reach the configured Redis, independent of sync or asyncio: `connect` and
+    `connect_async` both build their client from one plan, so the mode rules live here once.
+
+    mode `standalone`: `url` as given (or the embedded server's); `cluster`: `url` names any
+    node, redis-py discovers the others and routes each key to its shard; `sentinel`:
+    `sentinels` are (host, port) of the sentinels named in the URL (comma-separated hosts are
+    allowed), `service` the monitored master, `master_options` the database and password the
+    URL gives for the master."""
+
+    mode: str
+    url: str
+    options: dict[str, Any]  # client options every mode shares
+    retries: int
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    master_options: dict[str, Any] = field(default_factory=dict)
+    home: Path | None = None  # the embedded server's home (standalone, no URL)
+
+
+def connection_plan(cfg: RedisSettings) -> ConnectionPlan:
+    """The connection plan for `cfg` (starts the embedded server when no URL is set)."""
+    options: dict[str, Any] = {
+        "socket_timeout": cfg.socket_timeout_s,
+        "socket_connect_timeout": 5.0,
+        "health_check_interval": 30,
+        "client_name": f"teacherq-{os.getpid()}",
+    }
+    if cfg.url is None:
         home = Path(cfg.home)
         url, _ = ensure_embedded(home)
-        extra = {"connection_class": EmbeddedConnection, "home": home}
+        return ConnectionPlan("standalone", url, options, retries=5, home=home)
+    # A failover (cluster or sentinel) takes a few seconds: retry longer than a restart needs.
+    retries = 5 if cfg.mode == "standalone" else 12
+    if cfg.mode != "sentinel":
+        return ConnectionPlan(cfg.mode, cfg.url, options, retries=retries)
+    parts = urlsplit(cfg.url)
+    sentinels = []
+    for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
+        host, _, port = hostport.rpartition(":")
+        sentinels.append((host or hostport, int(port) if host else 26379))
+    master: dict[str, Any] = {"db": int(parts.path.strip("/") or 0)}
+    if parts.password:
+        master["password"] = unquote(parts.password)
+        if parts.username:
+            master["username"] = unquote(parts.username)
+    if parts.scheme == "rediss":
+        master["ssl"] = True
+    return ConnectionPlan(
+        "sentinel",
+        cfg.url,
+        options,
+        retries=retries,
+        sentinels=tuple(sentinels),
+        service=cfg.sentinel_master,
+        master_options=master,
+    )
+
+
+def connect(cfg: RedisSettings) -> redis.Redis:
+    """A client for the configured Redis (`redis.mode`): the URL if set, else the embedded
+    server. A cluster client has the same command methods as `redis.Redis` and is typed as
+    one; each queue's keys share one slot, so every script and pipeline teacherq sends runs
+    on one shard."""
+    plan = connection_plan(cfg)
     # Brief outages (a restart, a failover) are retried with backoff inside the client; every
     # teacherq write is idempotent, so a resent command is harmless.
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=plan.retries)
+    errors = [redis.ConnectionError, redis.TimeoutError]
+    if plan.mode == "cluster":
+        cluster = RedisCluster.from_url(plan.url, retry=retry, **plan.options)
+        return cast(redis.Redis, cluster)  # same command surface (see the docstring)
+    if plan.mode == "sentinel":
+        sentinel = Sentinel(list(plan.sentinels), **plan.options)
+        return sentinel.master_for(
+            plan.service,
+            retry=retry,
+            retry_on_error=errors,
+            **plan.options,
+            **plan.master_options,
+        )
+    extra: dict[str, object] = {}
+    if plan.home is not None:
+        extra = {"connection_class": EmbeddedConnection, "home": plan.home}
     return redis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        socket_timeout=cfg.socket_timeout_s,
-        socket_connect_timeout=5.0,
-        health_check_interval=30,
-        client_name=f"teacherq-{os.getpid()}",
-        **extra,
+        plan.url, retry=retry, retry_on_error=errors, **plan.options, **extra
     )
+
+
+def run_script(
+    script: Script, *, keys: Sequence[Any], args: Sequence[Any], client: Any = None
+) -> Any:
+    """Run a registered Lua script on `client` (its own client if None) or queue it on a
+    pipeline. A cluster pipeline refuses EVALSHA (it could not load a missing script on the
+    right shard mid-pipeline), so there the script's text is sent with EVAL; elsewhere redis-py
+    sends EVALSHA and loads the script once where needed."""
+    if isinstance(client, ClusterPipeline):
+        return client.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    return script(keys=keys, args=args, client=client)
+
+
+# Sets the queue's replication mark; flagged allow-oom so a consumer can confirm its
+# acknowledgements while Redis is full (the value replaces one of the same size).
+_MARK = "#!lua flags=allow-oom\nredis.call('SET', KEYS[1], ARGV[1])\nreturn 1\n"
+
+
+def await_replicas(client: redis.Redis, queue: str, cfg: RedisSettings) -> None:
+    """Block until `cfg.min_replicas_acked` replicas hold every write made so far to the
+    queue's shard (no-op at 0); raise `NotReplicated` after `cfg.replica_ack_timeout_s`.
+
+    WAIT counts the writes of the connection it is sent on, and a pooled client may have sent
+    the caller's write on another one: so a fresh write (the queue's replication mark) and the
+    WAIT go out together on one connection of the shard's primary. Replication is one ordered
+    stream, so replicas that hold the mark hold every earlier write too."""
+    n = cfg.min_replicas_acked
+    if n <= 0:
+        return
+    mark = keys.replication_mark_key(queue)
+    node: Any = client
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(mark).redis_connection
+    pipe = node.pipeline(transaction=False)
+    pipe.eval(_MARK, 1, mark, str(time.time()))
+    pipe.execute_command("WAIT", n, int(cfg.replica_ack_timeout_s * 1000))
+    _, acked = pipe.execute()
+    if int(acked) < n:
+        raise NotReplicated(
+            f"queue {queue}: a write reached {acked} of TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n} "
+            f"replicas within {cfg.replica_ack_timeout_s:.0f}s (replicas down or lagging?)"
+        )

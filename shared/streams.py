@@ -19,6 +19,7 @@ import redis
 
 from shared import keys
 from shared.deadletter import DeadLetter
+from shared.redis_server import run_script
 
 # Reply shapes. redis-py types a reply as any of its RESP2 / RESP3, bytes / str forms;
 # teacherq's clients speak RESP2 and keep bytes (decode_responses=False), so these are the
@@ -157,7 +158,7 @@ class Streams:
         for k, v in fields.items():
             argv += [k, v]
         keys_ = [keys.submitted_key(self.queue, job_id), self.jobs, self.pending_tokens_key]
-        return self._submit(keys=keys_, args=argv, client=client)
+        return run_script(self._submit, keys=keys_, args=argv, client=client)  # type: ignore[no-any-return]
 
     def ack(self, entry_id: str, *, tokens: int) -> None:
         """Acknowledge an entry without writing a result (e.g. a duplicate)."""
@@ -201,4 +202,4 @@ class Streams:
             keys.result_key(self.queue, job_id), self.done, self.jobs, self.dead,
             self.pending_tokens_key,
         ]  # fmt: skip
-        return bool(self._complete(keys=keys_, args=argv, client=client or self.r))
+        return bool(run_script(self._complete, keys=keys_, args=argv, client=client or self.r))
