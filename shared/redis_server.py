@@ -30,6 +30,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import Script
+from redis.exceptions import ClusterDownError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -241,6 +242,29 @@ def connection_plan(cfg: RedisSettings) -> ConnectionPlan:
     )
 
 
+# How long a client keeps resending a command while a shard has no reachable primary: a
+# cluster failover takes about twice cluster-node-timeout (15 s by default) plus an election.
+FAILOVER_PATIENCE = Retry(
+    ExponentialBackoff(cap=2.0, base=0.1),
+    retries=25,
+    supported_errors=(redis.ConnectionError, redis.TimeoutError, ClusterDownError),
+)
+
+
+class PatientCluster(RedisCluster):
+    """A cluster client that rides out a failover. redis-py's RedisCluster resends a command
+    that met a dead node at once (with a fresh slot map), so all its attempts are spent in
+    the milliseconds before the replica is promoted; this one resends with backoff for up to
+    ~45 s (FAILOVER_PATIENCE). Every teacherq command is idempotent, so a resend is safe.
+    Transactions (single-slot MULTI/EXEC pipelines) back off inside redis-py already."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        return FAILOVER_PATIENCE.call_with_retry(
+            lambda: super(PatientCluster, self).execute_command(*args, **kwargs),
+            lambda _error: None,
+        )
+
+
 def connect(cfg: RedisSettings) -> redis.Redis:
     """A client for the configured Redis (`redis.mode`): the URL if set, else the embedded
     server. A cluster client has the same command methods as `redis.Redis` and is typed as
@@ -252,7 +276,7 @@ def connect(cfg: RedisSettings) -> redis.Redis:
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=plan.retries)
     errors = [redis.ConnectionError, redis.TimeoutError]
     if plan.mode == "cluster":
-        cluster = RedisCluster.from_url(plan.url, retry=retry, **plan.options)
+        cluster = PatientCluster.from_url(plan.url, retry=retry, **plan.options)
         return cast(redis.Redis, cluster)  # same command surface (see the docstring)
     if plan.mode == "sentinel":
         sentinel = Sentinel(list(plan.sentinels), **plan.options)
@@ -300,14 +324,23 @@ def await_replicas(client: redis.Redis, queue: str, cfg: RedisSettings) -> None:
     if n <= 0:
         return
     mark = keys.replication_mark_key(queue)
-    node: Any = client
-    if isinstance(client, RedisCluster):
-        node = client.get_node_from_key(mark).redis_connection
-    pipe = node.pipeline(transaction=False)
-    pipe.eval(_MARK, 1, mark, str(time.time()))
-    pipe.execute_command("WAIT", n, int(cfg.replica_ack_timeout_s * 1000))
-    _, acked = pipe.execute()
-    if int(acked) < n:
+
+    def mark_and_wait() -> int:
+        node: Any = client
+        if isinstance(client, RedisCluster):
+            node = client.get_node_from_key(mark).redis_connection
+        pipe = node.pipeline(transaction=False)
+        pipe.eval(_MARK, 1, mark, str(time.time()))
+        pipe.execute_command("WAIT", n, int(cfg.replica_ack_timeout_s * 1000))
+        return int(pipe.execute()[1])
+
+    def refresh(_error: Exception) -> None:
+        if isinstance(client, RedisCluster):  # the shard's primary may have changed
+            with contextlib.suppress(redis.RedisError):
+                client.nodes_manager.initialize()
+
+    acked = FAILOVER_PATIENCE.call_with_retry(mark_and_wait, refresh)
+    if acked < n:
         raise NotReplicated(
             f"queue {queue}: a write reached {acked} of TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n} "
             f"replicas within {cfg.replica_ack_timeout_s:.0f}s (replicas down or lagging?)"

@@ -218,6 +218,20 @@ class ValkeySentinel:
                 continue
         raise LookupError("no sentinel answered")
 
+    def wait_replicated(self, *, timeout: float = 60.0) -> None:
+        """Block until the primary the sentinels name has a replica in sync (after a
+        failover, the restarted old primary is turned into one; sentinels look every few s)."""
+
+        def synced() -> bool:
+            info = redis.Redis(port=self.master_port(), socket_timeout=2.0).info("replication")
+            return any(
+                isinstance(v, dict) and v.get("state") == "online"
+                for k, v in info.items()
+                if k.startswith("slave")
+            )
+
+        _wait("a replica of the primary in sync", synced, timeout=timeout)
+
     def stop(self) -> None:
         """Stop the sentinels and both servers."""
         stop_all(self.sentinels, timeout=10)
