@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import redis
 import structlog
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 if TYPE_CHECKING:
     from shared.settings import Settings
@@ -88,8 +88,15 @@ def _nodes(client: redis.Redis) -> list[tuple[str, redis.Redis]]:
     """(label, client) of every server to check: each node of a cluster, else the one."""
     if not isinstance(client, RedisCluster):
         return [("", client)]
-    nodes = client.get_nodes()
-    return [(f"node {n.name}: ", n.redis_connection) for n in nodes if n.redis_connection]
+    out = []
+    # CLUSTER NODES lists the replicas too (the client itself only tracks primaries).
+    for addr, info in client.cluster_nodes().items():
+        if "fail" in str(info.get("flags", "")) or not info.get("connected", True):
+            continue
+        host, port = addr.rsplit(":", 1)
+        node = client.get_node(host, int(port)) or ClusterNode(host, int(port))
+        out.append((f"node {addr}: ", client.get_redis_connection(node)))
+    return out
 
 
 def preflight(client: redis.Redis, settings: Settings) -> str:

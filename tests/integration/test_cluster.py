@@ -180,3 +180,43 @@ def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
         assert_exactly_once(client, ids)
     finally:
         pair.stop()
+
+
+def test_preflight_where_config_is_refused_starts_and_says_what_is_unchecked(tmp_path) -> None:
+    """A managed-style server that refuses CONFIG: the check does not refuse (policy
+    'refuse'), reports both durability settings as unchecked, and still checks commands."""
+    from structlog.testing import capture_logs
+
+    from consumer.preflight import check_redis
+    from tests.processes import Valkey
+
+    server = Valkey(tmp_path, "--rename-command", "CONFIG", "")
+    try:
+        with capture_logs() as logs:
+            found = check_redis(redis.Redis.from_url(server.url), policy="refuse")
+        assert "appendonly" not in found
+        notes = [e["problem"] for e in logs if e["event"] == "preflight.unchecked"]
+        assert len(notes) == 1
+        assert "appendonly" in notes[0] and "maxmemory-policy" in notes[0]
+    finally:
+        server.stop()
+
+
+def test_preflight_checks_every_cluster_node(cluster) -> None:
+    """On a cluster every node's durability settings are read (all AOF, noeviction here)."""
+    from structlog.testing import capture_logs
+
+    from consumer.preflight import UnsafeRedis, check_redis
+
+    r = connect(Settings(redis={"url": cluster.url, "mode": "cluster"}).redis)
+    with capture_logs() as logs:
+        found = check_redis(r, policy="refuse")
+    assert found["appendonly"] == "yes"
+    assert not [e for e in logs if e["event"] == "preflight.unchecked"]
+    replica = cluster.client(cluster.nodes[-1])  # not the node the URL names
+    replica.config_set("appendonly", "no")
+    try:
+        with pytest.raises(UnsafeRedis, match=f"{cluster.nodes[-1].port}: AOF is off"):
+            check_redis(r, policy="refuse")
+    finally:
+        replica.config_set("appendonly", "yes")
