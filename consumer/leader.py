@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from consumer.failures import DeadLetters
 from consumer.faults import FaultInjector
 from consumer.heartbeat import Heartbeat
 from consumer.intake import Intake
+from consumer.liveness import consumer_name
 from consumer.metrics import ConsumerMetrics
 from consumer.prefetch import Prefetcher
 from consumer.prefix import plan_shared_microbatches
@@ -83,7 +83,8 @@ class Leader:
         self.loaded = LoadedModel(scorer=scorer, version=model_version, generation=generation)
         self.counters = Counters()
         self.streams = Streams(client, self.queue, settings.queue.group)
-        self.name = c.name or f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
+        layout = scorer.layout
+        self.name = consumer_name(c.name, dp_rank=layout.dp_rank, dp=layout.dp, env=os.environ)
         self.claimer = Claimer(
             self.streams,
             self.name,

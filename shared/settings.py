@@ -208,7 +208,9 @@ class StorageSettings(_Section):
 
 class ConsumerSettings(_Section):
     name: str | None = None
-    """Consumer name in the Redis group; unset: hostname-pid-dp<rank>."""
+    """Consumer name in the Redis group; keep it stable across restarts (a restarted consumer
+    first finishes its own pending entries). Unset: the pod name (HOSTNAME) under Kubernetes,
+    else hostname-pid. With DP > 1, `-dp<rank>` is appended."""
 
     batch_max_jobs: int = Field(default=64, ge=1)
     """At most this many jobs are read from the stream per batch."""

@@ -434,6 +434,30 @@ def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consume
     assert r.xpending(stream, group)["pending"] == 0
 
 
+def test_pod_name_is_kept_across_a_restart(settings, start_consumer, r) -> None:
+    """Under Kubernetes (KUBERNETES_SERVICE_HOST set) a consumer is named after its pod
+    (HOSTNAME). Killed mid-batch and restarted as the same pod, it takes back its own pending
+    entries at once (long before the visibility timeout), is not pruned as the dead
+    predecessor it replaces, and the group keeps that one name."""
+    url = settings.redis.url or ""
+    s = on(settings, url, visibility_timeout_s=120.0, dead_after_beats=1000)
+    pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "HOSTNAME": "teacherq-consumer-0"}
+    client = TeacherClient(s)
+    ids = client.submit(jobs(6, "pod"))
+    victim = start_consumer(on(s, url, crash_at="compute:1"), extra_env=pod, wait=False)
+    assert victim.wait(timeout=120) == 137
+    stream, group = keys.jobs_stream(s.queue.name), s.queue.group
+    held = r.xpending_range(stream, group, "-", "+", 100)
+    assert held and {p["consumer"] for p in held} == {b"teacherq-consumer-0"}
+    t0 = time.monotonic()
+    start_consumer(s, extra_env=pod)
+    assert all(res.ok for res in client.wait(ids, timeout=60))
+    assert time.monotonic() - t0 < 60, "its own entries were not taken back at start"
+    names = {c["name"].decode() for c in r.xinfo_consumers(stream, group)}
+    assert names == {"teacherq-consumer-0"} == set(client.consumers())
+    assert r.xpending(stream, group)["pending"] == 0
+
+
 def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     """An entry idle past the visibility timeout is taken over; if its owner is alive by its
     heartbeat (so only its refresh failed), the takeover keeps the delivery count; from an
