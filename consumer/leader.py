@@ -49,6 +49,7 @@ from consumer.stop import StopFlag
 from consumer.writer import ResultWriter, WriteTask
 from shared import keys, weights
 from shared.messages import Limits
+from shared.queue_metrics import QueueCollector
 from shared.settings import Settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Streams
@@ -204,6 +205,12 @@ class Leader:
         log.info("consumer.ready", consumer=self.name, model_version=self.loaded.version)
         if self.c.metrics_port:
             # One port per data-parallel replica of a launch, so leaders never clash.
+            if self.loaded.scorer.layout.dp_rank == 0:  # the queue's figures once per launch
+                live_after_s = self.c.heartbeat_interval_s * self.c.dead_after_beats
+                collector = QueueCollector(
+                    self.r, [self.queue], group=self.streams.group, live_after_s=live_after_s
+                )
+                self.metrics.registry.register(collector)
             self.metrics.serve(self.c.metrics_port + self.loaded.scorer.layout.dp_rank)
         self.metrics.tick("ready")
         fetcher = Prefetcher(
