@@ -105,3 +105,21 @@ def test_consumer_serves_queue_figures(settings: Settings, start_consumer) -> No
     assert v[("teacherq_queue_lag", q)] == 0
     assert v[("teacherq_queue_pending_tokens", q)] == 0
     assert "teacherq_queue_oldest_pending_seconds" in text
+    assert "teacherq_jobs_done_total" in text  # the consumer's own series beside them
+    assert "_created" not in text
+
+
+def test_grafana_dashboard_queries_only_served_metrics() -> None:
+    """configs/grafana-teacherq.json parses, and every metric its panels query is one the
+    exporter or a consumer serves (a renamed metric would leave a panel empty)."""
+    import re
+
+    from shared.queue_metrics import METRICS
+
+    dash = json.loads((REPO / "configs" / "grafana-teacherq.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(teacherq_[a-z_]+)\b", e)}
+    served = {f"teacherq_queue_{name}" for name in METRICS}
+    served |= {"teacherq_tokens_total", "teacherq_jobs_done_total"}
+    assert used and used <= served, used - served
+    assert {f"teacherq_queue_{n}" for n in METRICS} <= used  # every queue figure has a panel
