@@ -27,6 +27,10 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import Script
@@ -345,3 +349,43 @@ def await_replicas(client: redis.Redis, queue: str, cfg: RedisSettings) -> None:
             f"queue {queue}: a write reached {acked} of TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n} "
             f"replicas within {cfg.replica_ack_timeout_s:.0f}s (replicas down or lagging?)"
         )
+
+
+class PatientAsyncCluster(AsyncRedisCluster):
+    """`PatientCluster` for redis.asyncio: resends a command with backoff across a failover."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        patience = AsyncRetry(
+            ExponentialBackoff(cap=2.0, base=0.1),
+            retries=FAILOVER_PATIENCE.get_retries(),
+            supported_errors=(redis.ConnectionError, redis.TimeoutError, ClusterDownError),
+        )
+
+        async def fail(_error: Exception) -> None:
+            return None
+
+        return await patience.call_with_retry(
+            lambda: super(PatientAsyncCluster, self).execute_command(*args, **kwargs), fail
+        )
+
+
+def connect_async(cfg: RedisSettings) -> AsyncRedis:
+    """`connect` for redis.asyncio: the same plan (mode, URL, options), asyncio classes."""
+    plan = connection_plan(cfg)
+    retry = AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=plan.retries)
+    errors = [redis.ConnectionError, redis.TimeoutError]
+    if plan.mode == "cluster":
+        cluster = PatientAsyncCluster.from_url(plan.url, retry=retry, **plan.options)
+        return cast(AsyncRedis, cluster)  # same command surface, as in `connect`
+    if plan.mode == "sentinel":
+        sentinel = AsyncSentinel(list(plan.sentinels), **plan.options)
+        return sentinel.master_for(
+            plan.service,
+            retry=retry,
+            retry_on_error=errors,
+            **plan.options,
+            **plan.master_options,
+        )
+    # The embedded server's port is re-read on reconnect only by the sync client
+    # (EmbeddedConnection); an asyncio client keeps the port it started with.
+    return AsyncRedis.from_url(plan.url, retry=retry, retry_on_error=errors, **plan.options)

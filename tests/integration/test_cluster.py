@@ -9,6 +9,7 @@ mid-run is replaced by its replica (automatic failover) and, with
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from redis.crc import key_slot
 
 from producer import TeacherClient
 from shared import keys
-from shared.redis_server import connect
+from shared.redis_server import connect, connect_async
 from shared.settings import Settings
 from tests.integration.test_faults import assert_exactly_once, fast, job_set
 from tests.processes import ValkeyCluster, ValkeySentinel
@@ -138,6 +139,33 @@ def test_primary_killed_mid_run_loses_nothing(cluster, start_consumer, tmp_path)
         assert_exactly_once(client, ids)
 
 
+@pytest.mark.slow
+def test_two_primaries_killed_in_turn_three_queues_lose_nothing(
+    cluster, start_consumer, tmp_path
+) -> None:
+    """Three queues on the three shards, a consumer each, jobs submitted throughout; the
+    primary of the first queue is killed -9, then (after it is back as a replica) the primary
+    of the second: every job of every queue is done exactly once."""
+    names = queues_on_distinct_shards(3, "long")
+    settings = [cluster_settings(cluster.url, q, tmp_path / q) for q in names]
+    clients = [TeacherClient(s) for s in settings]
+    for s in settings:
+        start_consumer(s)
+    ids = [c.submit(job_set(20, seed=10 + i)) for i, c in enumerate(clients)]
+    for round_, q in enumerate(names[:2]):
+        _wait_some_done(clients[round_], 3)
+        victim = cluster.primary_of(keys.jobs_stream(q))
+        victim.kill()
+        _until(lambda q=q, v=victim: cluster.primary_of(keys.jobs_stream(q)).port != v.port)
+        victim.restart()
+        cluster.wait_ok()
+        for i, c in enumerate(clients):
+            ids[i] += c.submit(job_set(5, seed=100 + 10 * round_ + i))
+    for client, queue_ids in zip(clients, ids, strict=True):
+        client.wait(queue_ids, timeout=300)
+        assert_exactly_once(client, queue_ids)
+
+
 def test_connect_cluster_client_reaches_every_shard(cluster) -> None:
     """`connect` in cluster mode: one client, keys of every shard."""
     s = Settings(redis={"url": cluster.url, "mode": "cluster"})
@@ -145,6 +173,21 @@ def test_connect_cluster_client_reaches_every_shard(cluster) -> None:
     for q in queues_on_distinct_shards(3, "any"):
         r.set(keys.pending_tokens_key(q), 1)
         assert r.get(keys.pending_tokens_key(q)) == b"1"
+
+
+def test_connect_async_cluster_client_reaches_every_shard(cluster) -> None:
+    """`connect_async` in cluster mode: one asyncio client, keys of every shard."""
+
+    async def roundtrip() -> list[bytes | None]:
+        r = connect_async(Settings(redis={"url": cluster.url, "mode": "cluster"}).redis)
+        got = []
+        for q in queues_on_distinct_shards(3, "async"):
+            await r.set(keys.pending_tokens_key(q), 2)
+            got.append(await r.get(keys.pending_tokens_key(q)))
+        await r.aclose()
+        return got
+
+    assert asyncio.run(roundtrip()) == [b"2"] * 3
 
 
 def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
@@ -167,6 +210,15 @@ def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
         )
         s = fast(s, visibility_timeout_s=5.0, job_timeout_s=30.0)
         client = TeacherClient(s)
+
+        async def async_write() -> bytes | None:  # connect_async finds the primary too
+            r = connect_async(s.redis)
+            await r.set("probe", "1")
+            got = await r.get("probe")
+            await r.aclose()
+            return got
+
+        assert asyncio.run(async_write()) == b"1"
         start_consumer(s)
         ids = client.submit(job_set(10, seed=4))
         _wait_some_done(client, 2)
