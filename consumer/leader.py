@@ -120,6 +120,7 @@ class Leader:
             client,
             pause_fraction=c.memory_pause_fraction,
             writes_refused=lambda: self.writer.under_pressure,
+            key=self.streams.jobs,
         )
         self.heartbeat.on_beat += [self._sample_memory, self._notice_stop]
         self._model_published = False

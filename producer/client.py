@@ -164,7 +164,7 @@ class TeacherClient:
 
     def _memory_full(self) -> MemoryInfo | None:
         """Redis's memory figures if above queue.max_memory_fraction of maxmemory, else None."""
-        info = read_memory(self.r)
+        info = read_memory(self.r, key=self.streams.jobs)  # the queue's shard on a cluster
         return info if info.above(self.settings.queue.max_memory_fraction) else None
 
     def _memory_message(self, info: MemoryInfo) -> str:

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import redis
+from redis.cluster import RedisCluster
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def read_memory(r: redis.Redis) -> MemoryInfo:
-    """Used memory and maxmemory from INFO memory (a read: answered while Redis is full)."""
-    info = r.info("memory")
+def read_memory(r: redis.Redis, *, key: str | None = None) -> MemoryInfo:
+    """Used memory and maxmemory from INFO memory (a read: answered while Redis is full).
+    On a cluster, of the primary holding `key` (a queue's key: the shard the queue fills);
+    without a key, of whichever node the client picks."""
+    node = r
+    if key is not None and isinstance(r, RedisCluster):
+        node = r.get_redis_connection(r.get_node_from_key(key))
+    info = node.info("memory")
     return MemoryInfo(used=int(info.get("used_memory", 0)), limit=int(info.get("maxmemory", 0)))
 
 

@@ -272,3 +272,21 @@ def test_preflight_checks_every_cluster_node(cluster) -> None:
             check_redis(r, policy="refuse")
     finally:
         replica.config_set("appendonly", "yes")
+
+
+def test_memory_is_read_on_the_queues_shard(cluster) -> None:
+    """Backpressure and `status` read INFO memory of the primary holding the queue: three
+    shards with three maxmemory values, each queue sees its own."""
+    from shared.memory import read_memory
+
+    r = connect(Settings(redis={"url": cluster.url, "mode": "cluster"}).redis)
+    names = queues_on_distinct_shards(3, "mem")
+    primaries = [cluster.client(cluster.primary_of(keys.jobs_stream(q))) for q in names]
+    try:
+        for i, p in enumerate(primaries):
+            p.config_set("maxmemory", f"{i + 1}gb")
+        limits = [read_memory(r, key=keys.jobs_stream(q)).limit for q in names]
+        assert limits == [2**30, 2 * 2**30, 3 * 2**30]
+    finally:
+        for p in primaries:
+            p.config_set("maxmemory", "0")
