@@ -34,3 +34,12 @@ def test_cluster_or_sentinel_without_a_url_is_a_settings_error(monkeypatch) -> N
         load_settings()
     with pytest.raises(ValueError, match="'standalone', 'cluster' or 'sentinel'"):
         Settings(redis={"url": "redis://x:1/0", "mode": "replicated"})
+
+
+def test_rq_worker_refuses_a_cluster_with_the_setting_named() -> None:
+    """rq cannot run on a Redis Cluster: `teacherq worker` says so before connecting."""
+    from producer.datasets.rq_plumbing import run_worker
+
+    s = Settings(redis={"url": "redis://127.0.0.1:1/0", "mode": "cluster"})
+    with pytest.raises(SettingsError, match="TEACHERQ_REDIS__MODE=cluster"):
+        run_worker(s, burst=True)
