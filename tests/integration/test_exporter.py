@@ -63,8 +63,8 @@ def test_exporter_serves_each_queue_figure(settings: Settings, r, tmp_path) -> N
     r.hset(keys.consumers_key(q), "gone", json.dumps({"state": "busy", "time": now - 3600}))
     port = free_port()
     env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "producer.cli", "exporter", "--port", str(port),
-           "--queue", q, "--queue", other]  # fmt: skip
+    cmd = [sys.executable, "-m", "producer.cli", "exporter", "--port", str(port)]
+    cmd += ["--queue", q, "--queue", other]
     log = open(tmp_path / "exporter.log", "w")  # noqa: SIM115 - kept open for the process
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -458,6 +458,41 @@ def test_pod_name_is_kept_across_a_restart(settings, start_consumer, r) -> None:
     assert r.xpending(stream, group)["pending"] == 0
 
 
+def test_prune_spares_a_consumer_that_beat_again_since_judged_dead(r, settings) -> None:
+    """A consumer judged dead (stopped) is restarted under the same name and beats before the
+    reaper's prune runs: the prune (given the record it judged by) leaves it in the group
+    and keeps its heartbeat; judged again from the stale record later, it is pruned."""
+    from consumer.liveness import Reaper
+
+    q = settings.queue.name
+    streams = Streams(r, q)
+    streams.ensure_group()
+    beats = keys.consumers_key(q)
+    r.xgroup_createconsumer(streams.jobs, streams.group, "pod-0")
+    r.hset(beats, "pod-0", json.dumps({"state": "stopped", "time": time.time() - 100}))
+    reaper = Reaper(
+        r,
+        stream=streams.jobs,
+        group=streams.group,
+        consumers_key=beats,
+        me="pod-1",
+        dead_after_s=1.0,
+        visibility_timeout_s=60.0,
+    )
+    (judged,) = reaper.dead()
+    assert judged.name == "pod-0" and judged.pending == 0
+    fresh = json.dumps({"state": "ready", "time": time.time()})
+    r.hset(beats, "pod-0", fresh)  # back, under the same name
+    args = [streams.group, "pod-0", judged.record]
+    assert reaper._prune(keys=[streams.jobs, beats], args=args) == 0
+    assert r.hget(beats, "pod-0") == fresh.encode()
+    assert [c["name"] for c in r.xinfo_consumers(streams.jobs, streams.group)] == [b"pod-0"]
+    r.hset(beats, "pod-0", json.dumps({"state": "stopped", "time": time.time() - 100}))
+    assert reaper.sweep() == [] and reaper.pruned == 1
+    assert r.hget(beats, "pod-0") is None
+    assert r.xinfo_consumers(streams.jobs, streams.group) == []
+
+
 def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     """An entry idle past the visibility timeout is taken over; if its owner is alive by its
     heartbeat (so only its refresh failed), the takeover keeps the delivery count; from an
