@@ -21,6 +21,7 @@ from redis.crc import key_slot
 
 from producer import TeacherClient
 from shared import keys
+from shared.queue_metrics import queue_figures
 from shared.redis_server import connect, connect_async
 from shared.settings import Settings
 from tests.integration.test_faults import assert_exactly_once, fast, job_set
@@ -78,6 +79,10 @@ def test_queue_keys_scripts_and_transactions_stay_on_one_shard(cluster, tmp_path
         assert node.xlen(keys.jobs_stream(q)) == 4  # on the primary of its slot
         client.cancel(ids[0])
         assert node.hget(keys.result_key(q, ids[0]), "status") is not None
+        # The exporter's figures, read through the cluster client from the queue's shard.
+        figures = queue_figures(client.r, q, client.settings.queue.group, live_after_s=15)
+        assert (figures["lag"], figures["in_flight"]) == (4, 0)
+        assert figures["pending_tokens"] == sum(r.num_tokens for r in job_set(4, seed=1))
 
 
 def test_min_replicas_acked_refuses_when_no_replica_holds_the_write(tmp_path) -> None:
