@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from consumer.failures import DeadLetters
 from consumer.faults import FaultInjector
 from consumer.heartbeat import Heartbeat
 from consumer.intake import Intake
+from consumer.liveness import consumer_name
 from consumer.metrics import ConsumerMetrics
 from consumer.prefetch import Prefetcher
 from consumer.prefix import plan_shared_microbatches
@@ -49,6 +49,7 @@ from consumer.stop import StopFlag
 from consumer.writer import ResultWriter, WriteTask
 from shared import keys, weights
 from shared.messages import Limits
+from shared.queue_metrics import QueueCollector
 from shared.settings import Settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Streams
@@ -83,7 +84,8 @@ class Leader:
         self.loaded = LoadedModel(scorer=scorer, version=model_version, generation=generation)
         self.counters = Counters()
         self.streams = Streams(client, self.queue, settings.queue.group)
-        self.name = c.name or f"{socket.gethostname()}-{os.getpid()}-dp{scorer.layout.dp_rank}"
+        layout = scorer.layout
+        self.name = consumer_name(c.name, dp_rank=layout.dp_rank, dp=layout.dp, env=os.environ)
         self.claimer = Claimer(
             self.streams,
             self.name,
@@ -112,11 +114,13 @@ class Leader:
             faults=faults,
             on_done=self._written,
             max_queued=c.max_queued_writes,
+            redis_cfg=settings.redis,
         )
         self.memory = MemoryWatch(
             client,
             pause_fraction=c.memory_pause_fraction,
             writes_refused=lambda: self.writer.under_pressure,
+            key=self.streams.jobs,
         )
         self.heartbeat.on_beat += [self._sample_memory, self._notice_stop]
         self._model_published = False
@@ -202,6 +206,12 @@ class Leader:
         log.info("consumer.ready", consumer=self.name, model_version=self.loaded.version)
         if self.c.metrics_port:
             # One port per data-parallel replica of a launch, so leaders never clash.
+            if self.loaded.scorer.layout.dp_rank == 0:  # the queue's figures once per launch
+                live_after_s = self.c.heartbeat_interval_s * self.c.dead_after_beats
+                collector = QueueCollector(
+                    self.r, [self.queue], group=self.streams.group, live_after_s=live_after_s
+                )
+                self.metrics.registry.register(collector)
             self.metrics.serve(self.c.metrics_port + self.loaded.scorer.layout.dp_rank)
         self.metrics.tick("ready")
         fetcher = Prefetcher(

@@ -4,14 +4,25 @@ A consumer records a heartbeat every `heartbeat_interval_s` (consumer/heartbeat.
 Redis is full. One whose record is older than `dead_after_beats` intervals, or that recorded
 `stopped`, is dead: its pending entries are taken over at once (consumer/claims.py) rather than
 after the visibility timeout, and once its pending list is empty its name is removed from the
-group (XGROUP DELCONSUMER) and its heartbeat record deleted, so restarts (each under a new
-name) leave nothing behind.
+group (XGROUP DELCONSUMER) and its heartbeat record deleted, so restarts under new names
+leave nothing behind. A consumer that beats again meanwhile (restarted under the same name)
+is left alone.
+
+Names (`consumer_name`): stable across restarts where the supervisor gives one, so a
+restarted consumer first finishes its own pending list. `consumer.name`
+(TEACHERQ_CONSUMER__NAME) if set; else, under Kubernetes (KUBERNETES_SERVICE_HOST set), the
+pod name (HOSTNAME; a StatefulSet's pod keeps it across restarts); else
+`<hostname>-<pid>` (a new name per process). With more than one data-parallel replica,
+`-dp<rank>` is appended to the first two.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,13 +36,27 @@ log = structlog.get_logger("teacherq.liveness")
 # KEYS: jobs stream, consumers hash. ARGV: group, consumer name. Removes the consumer from the
 # group and its heartbeat record, only if it holds no pending entry: checked and done in one
 # step, so an entry it reads in between can never be dropped with it.
+# ARGV[3]: the heartbeat record as the reaper read it ('' for none): a consumer that has
+# beaten since (restarted under the same, stable name) is not pruned.
 _PRUNE = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if #p > 0 then return 0 end
+local beat = redis.call('HGET', KEYS[2], ARGV[2])
+if (beat or '') ~= ARGV[3] then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
 return 1
 """
+
+
+def consumer_name(configured: str | None, *, dp_rank: int, dp: int, env: Mapping[str, str]) -> str:
+    """This consumer's name in the group (the rule is in the module docstring)."""
+    stable = configured
+    if stable is None and env.get("KUBERNETES_SERVICE_HOST") and env.get("HOSTNAME"):
+        stable = env["HOSTNAME"]
+    if stable is not None:
+        return stable if dp == 1 else f"{stable}-dp{dp_rank}"
+    return f"{socket.gethostname()}-{os.getpid()}-dp{dp_rank}"
 
 
 @dataclass(frozen=True)
@@ -43,17 +68,19 @@ class Peer:
     idle_ms: int  # since its last read or claim (XINFO CONSUMERS)
     beat_age_s: float | None  # None: no heartbeat record
     state: str
+    record: bytes = b""  # the heartbeat record as read (b"": none)
 
 
 def peers(r: redis.Redis, stream: str, group: str, consumers_key: str) -> list[Peer]:
     """Every consumer that is in the group or has a heartbeat record."""
     now = time.time()
     beats: dict[str, dict] = {}
-    for k, v in cast(Fields, r.hgetall(consumers_key)).items():
+    raw = {k.decode(): v for k, v in cast(Fields, r.hgetall(consumers_key)).items()}
+    for k, v in raw.items():
         try:
-            beats[k.decode()] = json.loads(v)
+            beats[k] = json.loads(v)
         except ValueError:
-            beats[k.decode()] = {}
+            beats[k] = {}
     try:
         rows = r.xinfo_consumers(stream, group)
     except redis.ResponseError:  # no stream or group yet
@@ -68,10 +95,12 @@ def peers(r: redis.Redis, stream: str, group: str, consumers_key: str) -> list[P
             idle_ms=int(row["idle"]),
             beat_age_s=now - float(beat.get("time", 0)) if beat is not None else None,
             state=str(beat.get("state", "")) if beat is not None else "",
+            record=raw.get(name, b""),
         )
     for name, beat in beats.items():
         if name not in seen:
-            seen[name] = Peer(name, 0, 0, now - float(beat.get("time", 0)), str(beat.get("state")))
+            age = now - float(beat.get("time", 0))
+            seen[name] = Peer(name, 0, 0, age, str(beat.get("state")), raw[name])
     return list(seen.values())
 
 
@@ -125,7 +154,8 @@ class Reaper:
             if peer.pending:
                 holding.append(peer)
                 continue
-            if self._prune(keys=[self.stream, self.consumers_key], args=[self.group, peer.name]):
+            args: list[str | bytes] = [self.group, peer.name, peer.record]
+            if self._prune(keys=[self.stream, self.consumers_key], args=args):
                 self.pruned += 1
                 log.info("consumer.pruned", consumer=peer.name, beat_age_s=peer.beat_age_s)
         return holding

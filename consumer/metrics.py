@@ -31,6 +31,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
     make_wsgi_app,
 )
@@ -57,6 +58,9 @@ class ConsumerMetrics:
         busy_max_s: float = 600.0,
         rate_window_s: float = 60.0,
     ) -> None:
+        # No `<counter>_created` series: they double the series count and no query here
+        # needs them (a process-wide switch of prometheus_client; teacherq never wants them).
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.queue = queue
         self.consumer = consumer

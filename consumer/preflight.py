@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import redis
 import structlog
+from redis.cluster import ClusterNode, RedisCluster
 
 if TYPE_CHECKING:
     from shared.settings import Settings
@@ -32,30 +33,38 @@ class UnsafeRedis(RuntimeError):
 def check_redis(client: redis.Redis, *, policy: str) -> dict[str, str]:
     """Check durability settings and commands; refuse (policy 'refuse') or warn ('warn').
 
-    Returns what was found (server name/version, AOF, eviction policy) for the logs.
+    On a cluster every node is checked (a replica becomes a primary on failover). Where
+    CONFIG GET is refused (managed Redis services often disable it) the durability settings
+    cannot be read: that is logged as unchecked (`preflight.unchecked`), not refused — the
+    service's own settings are then the operator's to verify. Returns what was found
+    (server name/version, AOF, eviction policy) for the logs.
     """
     info = client.info("server")
     found = {
         "server": "valkey" if "valkey_version" in info else "redis",
         "version": str(info.get("valkey_version") or info.get("redis_version")),
     }
-    problems = []
-    try:
-        found["appendonly"] = str(client.config_get("appendonly").get("appendonly", "?"))
-        found["maxmemory-policy"] = str(
-            client.config_get("maxmemory-policy").get("maxmemory-policy", "?")
-        )
-    except redis.ResponseError as exc:  # managed services often disable CONFIG
-        problems.append(f"cannot read the server config ({exc}); durability not verified")
-    else:
-        if found["appendonly"] != "yes":
-            problems.append(
-                "AOF is off (appendonly no): a Redis restart would lose acknowledged jobs; "
-                "set appendonly yes, appendfsync everysec"
+    problems: list[str] = []
+    unchecked: list[str] = []
+    for where, node in _nodes(client):
+        try:
+            aof = str(node.config_get("appendonly").get("appendonly", "?"))
+            policy_found = str(node.config_get("maxmemory-policy").get("maxmemory-policy", "?"))
+        except redis.ResponseError as exc:
+            unchecked.append(
+                f"{where}CONFIG GET refused ({exc}): cannot check appendonly (must be yes, "
+                "appendfsync everysec) nor maxmemory-policy (must be noeviction)"
             )
-        if found["maxmemory-policy"] != "noeviction":
+            continue
+        found["appendonly"], found["maxmemory-policy"] = aof, policy_found
+        if aof != "yes":
             problems.append(
-                f"maxmemory-policy is {found['maxmemory-policy']}: Redis may evict jobs or "
+                f"{where}AOF is off (appendonly no): a Redis restart would lose acknowledged "
+                "jobs; set appendonly yes, appendfsync everysec"
+            )
+        if policy_found != "noeviction":
+            problems.append(
+                f"{where}maxmemory-policy is {policy_found}: Redis may evict jobs or "
                 "results under memory pressure; set maxmemory-policy noeviction"
             )
     known = {str(name).lower() for name in client.command()}
@@ -66,11 +75,28 @@ def check_redis(client: redis.Redis, *, policy: str) -> dict[str, str]:
             "(teacherq needs the Redis 7.2 command set)"
         )
     log.info("preflight.redis", **found)
+    for note in unchecked:
+        log.warning("preflight.unchecked", problem=note)
     for problem in problems:
         if policy == "refuse":
             raise UnsafeRedis(problem + " (or set TEACHERQ_CONSUMER__DURABLE_REDIS=warn)")
         log.warning("preflight.unsafe_redis", problem=problem)
     return found
+
+
+def _nodes(client: redis.Redis) -> list[tuple[str, redis.Redis]]:
+    """(label, client) of every server to check: each node of a cluster, else the one."""
+    if not isinstance(client, RedisCluster):
+        return [("", client)]
+    out = []
+    # CLUSTER NODES lists the replicas too (the client itself only tracks primaries).
+    for addr, info in client.cluster_nodes().items():
+        if "fail" in str(info.get("flags", "")) or not info.get("connected", True):
+            continue
+        host, port = addr.rsplit(":", 1)
+        node = client.get_node(host, int(port)) or ClusterNode(host, int(port))
+        out.append((f"node {addr}: ", client.get_redis_connection(node)))
+    return out
 
 
 def preflight(client: redis.Redis, settings: Settings) -> str:

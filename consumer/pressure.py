@@ -31,8 +31,10 @@ class MemoryWatch:
         pause_fraction: float,
         writes_refused: Callable[[], bool],
         window_s: float = 300.0,
+        key: str | None = None,
     ) -> None:
         self.r = client
+        self.key = key  # a key of the queue: on a cluster, its shard's memory is watched
         self.pause_fraction = pause_fraction
         self.writes_refused = writes_refused
         self.growth = GrowthTracker(window_s)
@@ -43,7 +45,7 @@ class MemoryWatch:
 
     def sample(self) -> dict[str, Any]:
         """Read Redis memory now; returns the fields heartbeats and metrics carry."""
-        self.info = read_memory(self.r)
+        self.info = read_memory(self.r, key=self.key)
         self.growth.add(self.info)
         self._above = self.info.above(self.pause_fraction)
         self.update()

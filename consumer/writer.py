@@ -27,8 +27,11 @@ import structlog
 
 from consumer.faults import FaultInjector
 from shared.deadletter import DeadLetter
+from shared.errors import NotReplicated
 from shared.messages import TeacherResult
+from shared.redis_server import await_replicas
 from shared.results import encode_record
+from shared.settings import RedisSettings
 from shared.storage import ObjectStore, TransientStorageError
 from shared.streams import Streams
 from shared.tracing import span
@@ -64,6 +67,7 @@ class ResultWriter:
         faults: FaultInjector,
         on_done: Callable[[WriteTask, bool], None] | None = None,
         max_queued: int = 64,
+        redis_cfg: RedisSettings | None = None,
     ) -> None:
         self.streams = streams
         self.store = store
@@ -73,6 +77,7 @@ class ResultWriter:
         self.faults = faults
         self.on_done = on_done
         self.max_queued = max_queued
+        self.redis_cfg = redis_cfg  # its min_replicas_acked: WAIT after each write
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tq-writer")
         self._futures: list[Future] = []
         self._lock = threading.Lock()
@@ -169,6 +174,7 @@ class ResultWriter:
                 redis.TimeoutError,
                 redis.exceptions.OutOfMemoryError,
                 TransientStorageError,
+                NotReplicated,
             ) as exc:
                 # Transient by policy: Redis restarting or full (noeviction: it refuses writes
                 # until consumers drain it), a storage hiccup. The entry stays pending until
@@ -208,6 +214,8 @@ class ResultWriter:
                 tokens=task.tokens,
                 dead_letter=task.dead_letter,
             )
+            if self.redis_cfg is not None:  # retried (idempotently) until replicated
+                await_replicas(self.streams.r, self.queue, self.redis_cfg)
             s.set(wrote=wrote)
         self.faults.reached("acked")
         return wrote

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer import cli_datasets, cli_observe
+from producer import cli_datasets, cli_exporter, cli_observe
 from shared import exitcodes
 from shared.settings import Settings, load_settings
 
@@ -369,6 +369,7 @@ _register_observe(app)
 
 cli_datasets.register(app)
 cli_observe.register(app)
+cli_exporter.register(app)
 
 
 @app.callback()

@@ -18,7 +18,7 @@ from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
 from shared.memory import MemoryInfo, read_memory
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
-from shared.redis_server import connect
+from shared.redis_server import await_replicas, connect
 from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
@@ -121,6 +121,7 @@ class TeacherClient:
             )
         try:
             entries = pipe.execute()
+            await_replicas(self.r, self.queue, self.settings.redis)  # redis.min_replicas_acked
         except BaseException as exc:
             for s in spans:
                 end_span(s, exc)
@@ -131,7 +132,7 @@ class TeacherClient:
 
     def _memory_full(self) -> MemoryInfo | None:
         """Redis's memory figures if above queue.max_memory_fraction of maxmemory, else None."""
-        info = read_memory(self.r)
+        info = read_memory(self.r, key=self.streams.jobs)  # the queue's shard on a cluster
         return info if protocol.memory_full(self.settings, info) else None
 
     def _wait_for_memory(self) -> None:

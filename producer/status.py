@@ -124,13 +124,13 @@ def _consumers(
     return out
 
 
-def _memory(r: redis.Redis, consumers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _memory(r: redis.Redis, queue: str, consumers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     live = [c for c in consumers.values() if c["alive"] and c.get("redis_memory")]
     rate = None
     if live:
         freshest = min(live, key=lambda c: c["heartbeat_age_s"])
         rate = freshest["redis_memory"].get("growth_bytes_per_s")
-    return memory_fields(read_memory(r), rate)
+    return memory_fields(read_memory(r, key=keys.jobs_stream(queue)), rate)
 
 
 def snapshot(
@@ -168,7 +168,7 @@ def snapshot(
         "in_flight_by_consumer": _in_flight(r, stream, group) if g else {},
         "consumers": consumers,
         "throughput": _throughput(r, queue, now_ms, window_s),
-        "memory": _memory(r, consumers),
+        "memory": _memory(r, queue, consumers),
         # Since each consumer started: tokens shared-prefix packing did not have to compute.
         "prefix_tokens_saved": sum(
             int(c.get("prefix_tokens_saved") or 0) for c in consumers.values()

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shared import keys
 from shared.messages import REQUIRED_FIELDS, entry_tokens
+from shared.redis_server import run_script
 
 DEAD_LETTER_VERSION = 1
 _ORIG = "orig:"
@@ -256,7 +257,7 @@ def replay_job(
         *bitmaps,
     ]
     script = client.register_script(_REPLAY)
-    return script(keys=script_keys, args=argv, client=pipeline or client)
+    return run_script(script, keys=script_keys, args=argv, client=pipeline or client)
 
 
 @dataclass(frozen=True)

@@ -64,3 +64,8 @@ class WeightUpdateFailed(TeacherqError):
         self.path = path
         self.reason = reason
         self.consumer = consumer
+
+
+class NotReplicated(TransientError):
+    """A write did not reach `redis.min_replicas_acked` replicas in time; it may still be
+    there, and resending it is safe (every teacherq write is idempotent)."""

@@ -58,6 +58,12 @@ def weights_key(queue: str) -> str:
     return f"{_q(queue)}:weights"
 
 
+def replication_mark_key(queue: str) -> str:
+    """String rewritten before each WAIT (redis.min_replicas_acked): a write of the queue's
+    shard on the connection that then waits for replicas."""
+    return f"{_q(queue)}:replication_mark"
+
+
 def control_stream(queue: str) -> str:
     """Stream of commands every replica reads (weight updates), and their completions."""
     return f"{_q(queue)}:control"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def read_memory(r: redis.Redis) -> MemoryInfo:
-    """Used memory and maxmemory from INFO memory (a read: answered while Redis is full)."""
-    return memory_from_info(r.info("memory"))
+def read_memory(r: redis.Redis, *, key: str | None = None) -> MemoryInfo:
+    """Used memory and maxmemory from INFO memory (a read: answered while Redis is full).
+    On a cluster, of the primary holding `key` (a queue's key: the shard the queue fills);
+    without a key, of whichever node the client picks."""
+    node = r
+    if key is not None and isinstance(r, RedisCluster):
+        node = r.get_redis_connection(r.get_node_from_key(key))
+    return memory_from_info(node.info("memory"))
 
 
 def memory_from_info(info: dict[str, Any]) -> MemoryInfo:

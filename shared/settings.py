@@ -59,6 +59,33 @@ class RedisSettings(_Section):
     socket_timeout_s: float = 30.0
     """Client socket timeout; blocking reads use shorter BLOCK times than this."""
 
+    mode: Literal["standalone", "cluster", "sentinel"] = "standalone"
+    """How `url` is read: `standalone` (one server), `cluster` (a Redis/Valkey Cluster; the
+    URL names any node, the others are discovered), `sentinel` (the URL names one sentinel;
+    the master of the service `sentinel_master` is looked up there and followed over
+    failovers). Each queue lives on one shard: all its keys share the `{queue}` hash tag."""
+
+    sentinel_master: str = "mymaster"
+    """With mode `sentinel`: the service name the sentinels monitor."""
+
+    min_replicas_acked: int = Field(default=0, ge=0)
+    """Replicas that must hold a write before it counts (WAIT): submit returns, and a
+    consumer finishes a job, only after its write reached this many replicas, so a failover
+    loses no acknowledged job. 0: do not wait (a failover may lose the last second of work)."""
+
+    replica_ack_timeout_s: float = Field(default=10.0, gt=0)
+    """With min_replicas_acked: how long to wait for the replicas before the write is
+    reported as not replicated (submit raises; a consumer retries the write)."""
+
+    @model_validator(mode="after")
+    def _mode_needs_url(self) -> RedisSettings:
+        if self.mode != "standalone" and self.url is None:
+            raise ValueError(
+                f"redis.mode={self.mode} needs TEACHERQ_REDIS__URL (the embedded server is "
+                "standalone)"
+            )
+        return self
+
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str | None) -> str | None:
@@ -185,7 +212,9 @@ class StorageSettings(_Section):
 
 class ConsumerSettings(_Section):
     name: str | None = None
-    """Consumer name in the Redis group; unset: hostname-pid-dp<rank>."""
+    """Consumer name in the Redis group; keep it stable across restarts (a restarted consumer
+    first finishes its own pending entries). Unset: the pod name (HOSTNAME) under Kubernetes,
+    else hostname-pid. With DP > 1, `-dp<rank>` is appended."""
 
     batch_max_jobs: int = Field(default=64, ge=1)
     """At most this many jobs are read from the stream per batch."""

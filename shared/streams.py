@@ -19,6 +19,7 @@ import redis
 
 from shared import keys
 from shared.deadletter import DeadLetter
+from shared.redis_server import run_script
 
 # Reply shapes. redis-py types a reply as any of its RESP2 / RESP3, bytes / str forms;
 # teacherq's clients speak RESP2 and keep bytes (decode_responses=False), so these are the
@@ -170,7 +171,7 @@ class Streams:
         keys_, argv = submit_call(
             self.queue, job_id, fields, tokens=tokens, min_generation=min_generation
         )
-        return self._submit(keys=keys_, args=argv, client=client)
+        return run_script(self._submit, keys=keys_, args=argv, client=client)  # type: ignore[no-any-return]
 
     def ack(self, entry_id: str, *, tokens: int) -> None:
         """Acknowledge an entry without writing a result (e.g. a duplicate)."""
@@ -212,7 +213,7 @@ class Streams:
             tokens=tokens,
             dead_letter=dead_letter,
         )
-        return bool(self._complete(keys=keys_, args=argv, client=client or self.r))
+        return bool(run_script(self._complete, keys=keys_, args=argv, client=client or self.r))
 
 
 # Keys and arguments of the scripts, built in one place for `Streams` and the asyncio client

@@ -1,18 +1,25 @@
-"""Process helpers shared by the tests: a throwaway valkey-server, the "SIGTERM, wait, kill"
-stop of a consumer or any other child process, the `teacherq` CLI in a child process, and a
-child's output read through a pseudo-terminal."""
+"""Process helpers shared by the tests: a throwaway valkey-server, a Valkey Cluster and a
+Sentinel-watched pair made of it, the "SIGTERM, wait, kill" stop of a consumer or any other
+child process, the `teacherq` CLI in a child process, and a child's output read through a
+pseudo-terminal."""
 
 from __future__ import annotations
 
 import os
+import random
 import select
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from shared.redis_server import free_port, server_args, wait_ready
+import redis
+from redis.crc import key_slot
+
+from shared.redis_server import free_port, server_args, server_binary, wait_ready
 from shared.settings import Settings, to_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,3 +125,194 @@ class Valkey:
     def stop(self) -> None:
         """Stop the server if it still runs (SIGTERM, then SIGKILL)."""
         stop_all([self.proc], timeout=10)
+
+
+def _wait(what: str, check: Callable[[], bool], *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+class ValkeyCluster:
+    """A real Valkey Cluster on loopback: `masters` primaries, each with one replica, formed
+    by hand (CLUSTER ADDSLOTSRANGE, CLUSTER MEET, CLUSTER REPLICATE) from the same
+    valkey-server the other tests run. `node_timeout_ms` is short so that a killed primary
+    is replaced by its replica within seconds (automatic failover)."""
+
+    def __init__(self, root: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+        flags = (
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms),
+            "--cluster-replica-validity-factor", "0",  # a replica may always take over
+        )  # fmt: skip
+        self.nodes: list[Valkey] = []
+        try:
+            for i in range(2 * masters):
+                d = root / f"node{i}"
+                d.mkdir(parents=True)
+                self.nodes.append(Valkey(d, *flags, port=_cluster_port()))
+            self._form(masters)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = self.nodes[0].url
+
+    def client(self, node: Valkey) -> redis.Redis:
+        """A plain (non-cluster) client of one node, for CLUSTER commands."""
+        return redis.Redis.from_url(node.url, socket_timeout=5.0)
+
+    def _form(self, masters: int) -> None:
+        step = 16384 // masters
+        for i in range(masters):
+            last = 16383 if i == masters - 1 else (i + 1) * step - 1
+            self.client(self.nodes[i]).execute_command("CLUSTER ADDSLOTSRANGE", i * step, last)
+        first = self.client(self.nodes[0])
+        for node in self.nodes[1:]:
+            first.execute_command("CLUSTER MEET", "127.0.0.1", node.port)
+        n = len(self.nodes)
+
+        def all_known() -> bool:
+            return all(
+                int(self.client(x).execute_command("CLUSTER INFO")["cluster_known_nodes"]) == n
+                for x in self.nodes
+            )
+
+        _wait("every node knowing every other", all_known, timeout=30)
+        for primary, replica in zip(self.nodes[:masters], self.nodes[masters:], strict=True):
+            node_id = self.client(primary).execute_command("CLUSTER MYID")
+            self.client(replica).execute_command("CLUSTER REPLICATE", node_id)
+        self.wait_ok()
+
+    def wait_ok(self, *, timeout: float = 30.0) -> None:
+        """Block until every live node reports cluster_state:ok and every slot is served."""
+
+        def ok() -> bool:
+            for node in self.nodes:
+                if node.proc.poll() is not None:
+                    continue
+                info = self.client(node).execute_command("CLUSTER INFO")
+                if info["cluster_state"] != "ok" or int(info["cluster_slots_ok"]) != 16384:
+                    return False
+            return True
+
+        _wait("cluster_state:ok", ok, timeout=timeout)
+
+    def primary_of(self, key: str) -> Valkey:
+        """The live node serving `key`'s slot as primary now."""
+        slot = key_slot(key.encode())
+        for node in self.nodes:
+            if node.proc.poll() is not None:
+                continue
+            for start, end, *_ in self.client(node).execute_command("CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    port = int(_[0][1])
+                    return next(x for x in self.nodes if x.port == port)
+        raise LookupError(f"no node serves {key}")
+
+    def stop(self) -> None:
+        """Stop every node that still runs."""
+        stop_all([n.proc for n in self.nodes], timeout=10)
+
+
+class ValkeySentinel:
+    """A real primary with one replica, watched by three sentinels (valkey-server
+    --sentinel, quorum 2) under the service name `service`; a dead primary is replaced by
+    its replica after `down_after_ms`."""
+
+    def __init__(self, root: Path, *, service: str = "tq", down_after_ms: int = 1000) -> None:
+        self.service = service
+        self.sentinels: list[subprocess.Popen] = []
+        self.primary = Valkey(_mkdir(root / "primary"))
+        self.replica = Valkey(
+            _mkdir(root / "replica"), "--replicaof", "127.0.0.1", str(self.primary.port)
+        )
+        self.ports: list[int] = []
+        try:
+            _wait("replica in sync", self._synced, timeout=30)
+            for i in range(3):
+                self._start_sentinel(_mkdir(root / f"sentinel{i}"), down_after_ms)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.url = f"redis://{self.url}/0"
+
+    def _synced(self) -> bool:
+        info = redis.Redis.from_url(self.replica.url).info("replication")
+        return bool(info.get("master_link_status") == "up")
+
+    def _start_sentinel(self, d: Path, down_after_ms: int) -> None:
+        port = free_port()
+        conf = d / "sentinel.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {d}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} 2\n"
+            f"sentinel down-after-milliseconds {self.service} {down_after_ms}\n"
+            f"sentinel failover-timeout {self.service} 10000\n"
+        )
+        log = d / "sentinel.log"
+        self.sentinels.append(
+            subprocess.Popen([str(server_binary()), str(conf), "--sentinel", "--logfile", str(log)])
+        )
+        self.ports.append(port)
+        wait_ready(f"redis://127.0.0.1:{port}", timeout=30)
+
+    def master_port(self) -> int:
+        """The primary's port as the sentinels see it now."""
+        for port in self.ports:
+            try:
+                s = redis.Redis(port=port, socket_timeout=2.0)
+                return int(s.sentinel_get_master_addr_by_name(self.service)[1])
+            except redis.RedisError:
+                continue
+        raise LookupError("no sentinel answered")
+
+    def wait_replicated(self, *, timeout: float = 60.0) -> None:
+        """Block until the primary the sentinels name has a replica in sync (after a
+        failover, the restarted old primary is turned into one; sentinels look every few s)."""
+
+        def synced() -> bool:
+            info = redis.Redis(port=self.master_port(), socket_timeout=2.0).info("replication")
+            return any(
+                isinstance(v, dict) and v.get("state") == "online"
+                for k, v in info.items()
+                if k.startswith("slave")
+            )
+
+        _wait("a replica of the primary in sync", synced, timeout=timeout)
+
+    def stop(self) -> None:
+        """Stop the sentinels and both servers."""
+        stop_all(self.sentinels, timeout=10)
+        self.primary.stop()
+        self.replica.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    while True:
+        port = random.randint(20000, 45000)
+        if all(_free(p) for p in (port, port + 10000)):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _mkdir(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -19,7 +19,7 @@ from producer.datasets.records import DatasetRecord, DatasetSpec
 from shared import keys
 from shared.log import get_logger
 from shared.redis_server import connect
-from shared.settings import Settings
+from shared.settings import Settings, SettingsError
 
 log = get_logger("teacherq.datasets")
 
@@ -144,6 +144,11 @@ def run_worker(
 ) -> bool:
     """Run an rq worker (with its scheduler, for retry intervals) on the dataset queues, on the
     same Redis as TeacherClient; returns whether it ran any job."""
+    if settings.redis.mode == "cluster":
+        raise SettingsError(
+            "TEACHERQ_REDIS__MODE=cluster: the rq worker (dataset ingest and export) needs one "
+            "Redis (rq's keys carry no hash tag); run datasets on a standalone or sentinel Redis"
+        )
     conn = connect(settings.redis)
     rq_queues = [Queue(n, connection=conn, serializer=JSONSerializer) for n in queues]
     worker = DatasetWorker(

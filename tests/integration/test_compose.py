@@ -6,8 +6,8 @@ and noeviction, volumes, health checks, restart and stop policies, GPU reservati
 consumers, the TP profile).
 
 Live part: every service's command runs with its environment as a local process. The redis
-command runs on the valkey-server binary; moto stands in for MinIO (the bucket minio-setup would
-create is created directly); hostnames in the environment are rewritten to the local servers;
+command runs on the valkey-server binary; moto stands in for the S3 server (the bucket s3-setup
+would create is created directly); hostnames in the environment are rewritten to the local servers;
 consumers run on CPU with the built-in tiny model instead of the checkpoint under /models.
 Compose's ${VAR:-default} values are interpolated with an empty environment, so the test sees
 the file's defaults and not the shell of whoever runs it.
@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 SCHEMA_FILE = REPO.parent / "shared" / "data" / "compose-spec.json"
 REDIS_HOST = "redis:6379"
-MINIO_ENDPOINT = "http://minio:9000"
+S3_ENDPOINT = "http://s3:9000"
 VOCAB = 1000  # the tiny preset's
 N_JOBS = 30
 REPLICAS = 3
@@ -172,7 +172,7 @@ def test_every_environment_value_is_a_string(compose) -> None:
 
 def test_redis_is_durable_persistent_and_checked(compose) -> None:
     redis_svc = compose["services"]["redis"]
-    assert redis_svc["image"] == "redis:7.2"
+    assert redis_svc["image"].startswith("redis:7.2.")
     cmd = redis_svc["command"]
     assert cmd[0] == "redis-server"
     assert flag_value(cmd, "--appendonly") == "yes"
@@ -185,25 +185,44 @@ def test_redis_is_durable_persistent_and_checked(compose) -> None:
     assert redis_svc["restart"] == "unless-stopped"
 
 
-def test_minio_is_checked_and_setup_creates_the_configured_bucket(compose) -> None:
+def setup_bucket(compose: dict[str, Any]) -> str:
+    """The bucket s3-setup creates (`s3.bucket.create -name B` in a weed shell)."""
+    (script,) = compose["services"]["s3-setup"]["command"]
+    m = re.search(r"s3\.bucket\.create -name (\S+?)'", script)
+    assert m, script
+    return m.group(1)
+
+
+def test_every_image_is_pinned_to_a_version(compose) -> None:
+    """No `latest`, no untagged image: a rebuild months later runs what was tested."""
+    for name, svc in compose["services"].items():
+        image = svc["image"]
+        repo, _, tag = image.rpartition(":")
+        assert repo and tag and tag != "latest" and "/" not in tag, f"{name}: {image}"
+        assert not image.startswith(("minio/", "quay.io/minio/")), f"{name}: images withdrawn"
+
+
+def test_object_store_is_checked_and_setup_creates_the_configured_bucket(compose) -> None:
     services = compose["services"]
-    minio, setup = services["minio"], services["minio-setup"]
-    assert minio["image"].startswith("minio/minio")
-    assert minio["healthcheck"]["test"][0] == "CMD"
-    assert any(m.split(":")[0] in compose["volumes"] for m in minio["volumes"])
-    assert setup["image"].startswith("minio/mc")
-    assert setup["depends_on"]["minio"]["condition"] == "service_healthy"
+    s3, setup = services["s3"], services["s3-setup"]
+    assert s3["healthcheck"]["test"][0] == "CMD"
+    assert any(m.split(":")[0] in compose["volumes"] for m in s3["volumes"])
+    assert "-s3.port=9000" in s3["command"] and "-s3" in s3["command"]
+    assert setup["image"] == s3["image"]
+    assert setup["depends_on"]["s3"]["condition"] == "service_healthy"
     assert setup["restart"] == "no"
-    host = urllib.parse.urlparse(setup["environment"]["MC_HOST_local"])
-    assert f"{host.scheme}://{host.hostname}:{host.port}" == MINIO_ENDPOINT
-    assert host.username == minio["environment"]["MINIO_ROOT_USER"]
-    assert host.password == minio["environment"]["MINIO_ROOT_PASSWORD"]
-    assert setup["command"][:2] == ["mb", "--ignore-existing"]
-    bucket = setup["command"][2].removeprefix("local/")
+    assert "-master=s3:9333" in setup["command"][0]
+    # The S3 server's one identity is the key pair every teacherq service signs with.
+    (mount,) = s3["configs"]
+    assert mount["target"] in " ".join(s3["command"])
+    identities = json.loads(compose["configs"][mount["source"]]["content"])["identities"]
+    (cred,) = identities[0]["credentials"]
+    bucket = setup_bucket(compose)
     for name in ("worker", *CONSUMERS):
         env = services[name]["environment"]
-        assert storage_bucket(env) == bucket, f"{name} writes to another bucket than minio-setup"
-        assert env["TEACHERQ_STORAGE__ACCESS_KEY_ID"] == host.username
+        assert storage_bucket(env) == bucket, f"{name} writes to another bucket than s3-setup"
+        assert env["TEACHERQ_STORAGE__ACCESS_KEY_ID"] == cred["accessKey"]
+        assert env["TEACHERQ_STORAGE__SECRET_ACCESS_KEY"] == cred["secretKey"]
 
 
 def test_teacherq_services_share_one_configuration(compose) -> None:
@@ -212,10 +231,10 @@ def test_teacherq_services_share_one_configuration(compose) -> None:
         env = services[name]["environment"]
         assert env["TEACHERQ_REDIS__URL"] == f"redis://{REDIS_HOST}/0", name
         assert env["TEACHERQ_STORAGE__URL"] == "s3://teacherq/results", name
-        assert env["TEACHERQ_STORAGE__ENDPOINT"] == MINIO_ENDPOINT, name
+        assert env["TEACHERQ_STORAGE__ENDPOINT"] == S3_ENDPOINT, name
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
         assert (
-            services[name]["depends_on"]["minio-setup"]["condition"]
+            services[name]["depends_on"]["s3-setup"]["condition"]
             == "service_completed_successfully"
         )
         assert services[name]["restart"] == "unless-stopped"
@@ -302,10 +321,10 @@ class LocalStack:
         env["PYTHONPATH"] = str(REPO)
         port = urllib.parse.urlparse(self.redis_url).port
         assert REDIS_HOST in compose_env["TEACHERQ_REDIS__URL"]
-        assert compose_env["TEACHERQ_STORAGE__ENDPOINT"] == MINIO_ENDPOINT
+        assert compose_env["TEACHERQ_STORAGE__ENDPOINT"] == S3_ENDPOINT
         for key, value in compose_env.items():
             env[key] = value.replace(REDIS_HOST, f"127.0.0.1:{port}").replace(
-                MINIO_ENDPOINT, self.s3.endpoint
+                S3_ENDPOINT, self.s3.endpoint
             )
         if consumer:
             env["TEACHERQ_CONSUMER__DEVICE"] = "cpu"  # no GPU here
@@ -367,12 +386,11 @@ def _start_redis_from_compose(compose: dict[str, Any], data: Path) -> tuple[subp
 
 @pytest.fixture
 def stack(compose, tmp_path: Path) -> Iterator[LocalStack]:
-    """Redis from the redis service's command, moto with minio-setup's bucket, no consumers."""
+    """Redis from the redis service's command, moto with s3-setup's bucket, no consumers."""
     (tmp_path / "valkey").mkdir()
     redis_proc, url = _start_redis_from_compose(compose, tmp_path / "valkey")
     s3 = start_s3_server(tmp_path)
-    setup_cmd = compose["services"]["minio-setup"]["command"]
-    s3.create_bucket(setup_cmd[2].removeprefix("local/"))
+    s3.create_bucket(setup_bucket(compose))
     local = LocalStack(compose=compose, workdir=tmp_path, redis_url=url, s3=s3)
     try:
         yield local

@@ -434,6 +434,65 @@ def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consume
     assert r.xpending(stream, group)["pending"] == 0
 
 
+def test_pod_name_is_kept_across_a_restart(settings, start_consumer, r) -> None:
+    """Under Kubernetes (KUBERNETES_SERVICE_HOST set) a consumer is named after its pod
+    (HOSTNAME). Killed mid-batch and restarted as the same pod, it takes back its own pending
+    entries at once (long before the visibility timeout), is not pruned as the dead
+    predecessor it replaces, and the group keeps that one name."""
+    url = settings.redis.url or ""
+    s = on(settings, url, visibility_timeout_s=120.0, dead_after_beats=1000)
+    pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "HOSTNAME": "teacherq-consumer-0"}
+    client = TeacherClient(s)
+    ids = client.submit(jobs(6, "pod"))
+    victim = start_consumer(on(s, url, crash_at="compute:1"), extra_env=pod, wait=False)
+    assert victim.wait(timeout=120) == 137
+    stream, group = keys.jobs_stream(s.queue.name), s.queue.group
+    held = r.xpending_range(stream, group, "-", "+", 100)
+    assert held and {p["consumer"] for p in held} == {b"teacherq-consumer-0"}
+    t0 = time.monotonic()
+    start_consumer(s, extra_env=pod)
+    assert all(res.ok for res in client.wait(ids, timeout=60))
+    assert time.monotonic() - t0 < 60, "its own entries were not taken back at start"
+    names = {c["name"].decode() for c in r.xinfo_consumers(stream, group)}
+    assert names == {"teacherq-consumer-0"} == set(client.consumers())
+    assert r.xpending(stream, group)["pending"] == 0
+
+
+def test_prune_spares_a_consumer_that_beat_again_since_judged_dead(r, settings) -> None:
+    """A consumer judged dead (stopped) is restarted under the same name and beats before the
+    reaper's prune runs: the prune (given the record it judged by) leaves it in the group
+    and keeps its heartbeat; judged again from the stale record later, it is pruned."""
+    from consumer.liveness import Reaper
+
+    q = settings.queue.name
+    streams = Streams(r, q)
+    streams.ensure_group()
+    beats = keys.consumers_key(q)
+    r.xgroup_createconsumer(streams.jobs, streams.group, "pod-0")
+    r.hset(beats, "pod-0", json.dumps({"state": "stopped", "time": time.time() - 100}))
+    reaper = Reaper(
+        r,
+        stream=streams.jobs,
+        group=streams.group,
+        consumers_key=beats,
+        me="pod-1",
+        dead_after_s=1.0,
+        visibility_timeout_s=60.0,
+    )
+    (judged,) = reaper.dead()
+    assert judged.name == "pod-0" and judged.pending == 0
+    fresh = json.dumps({"state": "ready", "time": time.time()})
+    r.hset(beats, "pod-0", fresh)  # back, under the same name
+    args = [streams.group, "pod-0", judged.record]
+    assert reaper._prune(keys=[streams.jobs, beats], args=args) == 0
+    assert r.hget(beats, "pod-0") == fresh.encode()
+    assert [c["name"] for c in r.xinfo_consumers(streams.jobs, streams.group)] == [b"pod-0"]
+    r.hset(beats, "pod-0", json.dumps({"state": "stopped", "time": time.time() - 100}))
+    assert reaper.sweep() == [] and reaper.pruned == 1
+    assert r.hget(beats, "pod-0") is None
+    assert r.xinfo_consumers(streams.jobs, streams.group) == []
+
+
 def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     """An entry idle past the visibility timeout is taken over; if its owner is alive by its
     heartbeat (so only its refresh failed), the takeover keeps the delivery count; from an
