@@ -26,9 +26,15 @@ from producer import protocol
 from shared import keys
 from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
-from shared.memory import MemoryInfo, memory_from_info
+from shared.memory import MemoryInfo
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
-from shared.redis_server import connect, connect_async
+from shared.redis_server import (
+    await_replicas,
+    connect,
+    connect_async,
+    read_memory_async,
+    run_script_async,
+)
 from shared.results import decode_record, record_object
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
@@ -73,6 +79,13 @@ class AsyncTeacherClient:
         self._complete = self.r.register_script(COMPLETE_SCRIPT)
         self._group_ready = False
         self._completions = _Completions(self.r, keys.done_stream(self.queue))
+        self._sync: redis.Redis | None = None
+
+    def _blocking(self) -> redis.Redis:
+        """A blocking client of the same Redis (for WAIT, run in a worker thread)."""
+        if self._sync is None:
+            self._sync = connect(self.settings.redis)
+        return self._sync
 
     @property
     def store(self) -> ObjectStore:
@@ -131,8 +144,12 @@ class AsyncTeacherClient:
                         tokens=req.num_tokens,
                         min_generation=p.min_generation,
                     )
-                    await self._submit(keys=keys_, args=argv, client=pipe)
+                    await run_script_async(self._submit, keys=keys_, args=argv, client=pipe)
                 entries = await pipe.execute()
+            if self.settings.redis.min_replicas_acked:  # WAIT, on a blocking connection
+                await asyncio.to_thread(
+                    await_replicas, self._blocking(), self.queue, self.settings.redis
+                )
         except BaseException as exc:
             for s in spans:
                 end_span(s, exc)
@@ -168,7 +185,7 @@ class AsyncTeacherClient:
         return int(await self.r.get(keys.pending_tokens_key(self.queue)) or 0)
 
     async def _memory_full(self) -> MemoryInfo | None:
-        info = memory_from_info(await self.r.info("memory"))
+        info = await read_memory_async(self.r, keys.jobs_stream(self.queue))
         return info if protocol.memory_full(self.settings, info) else None
 
     async def _wait_for_memory(self) -> None:
@@ -340,13 +357,15 @@ class AsyncTeacherClient:
         # One transaction: no consumer write can land between the delete and the rewrite.
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.delete(keys.result_key(self.queue, job_id))
-            await self._complete(keys=keys_, args=argv, client=pipe)
+            await run_script_async(self._complete, keys=keys_, args=argv, client=pipe)
             await pipe.execute()
 
     async def aclose(self) -> None:
         """Stop the completion reader and close the Redis connection pool."""
         await self._completions.stop()
         await self.r.aclose()
+        if self._sync is not None:
+            self._sync.close()
 
     async def __aenter__(self) -> AsyncTeacherClient:
         return self

@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
@@ -41,6 +42,7 @@ from redis.sentinel import Sentinel
 
 from shared import keys
 from shared.errors import NotReplicated
+from shared.memory import MemoryInfo, memory_from_info
 from shared.settings import RedisSettings
 
 STATE_FILE = "server.json"
@@ -310,6 +312,24 @@ def run_script(
     if isinstance(client, ClusterPipeline):
         return client.execute_command("EVAL", script.script, len(keys), *keys, *args)
     return script(keys=keys, args=args, client=client)
+
+
+async def run_script_async(
+    script: Any, *, keys: Sequence[Any], args: Sequence[Any], client: Any = None
+) -> Any:
+    """`run_script` for redis.asyncio (an AsyncScript; a client or a pipeline)."""
+    if isinstance(client, AsyncClusterPipeline):
+        return client.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    return await script(keys=keys, args=args, client=client)
+
+
+async def read_memory_async(client: AsyncRedis, key: str) -> MemoryInfo:
+    """`read_memory` for redis.asyncio: INFO memory of the primary holding `key` on a
+    cluster (the queue's shard), of the server otherwise."""
+    if isinstance(client, AsyncRedisCluster):
+        node = client.get_node_from_key(key)
+        return memory_from_info(await client.info("memory", target_nodes=node))
+    return memory_from_info(await client.info("memory"))
 
 
 # Sets the queue's replication mark; flagged allow-oom so a consumer can confirm its

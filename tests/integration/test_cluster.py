@@ -195,6 +195,31 @@ def test_connect_async_cluster_client_reaches_every_shard(cluster) -> None:
     assert asyncio.run(roundtrip()) == [b"2"] * 3
 
 
+def test_asyncio_client_submits_cancels_and_reads_memory_on_a_cluster(cluster, tmp_path) -> None:
+    """AsyncTeacherClient on a cluster: submit (a transaction of Lua scripts, sent by EVAL in
+    a cluster pipeline) with min_replicas_acked=1, the memory check on the queue's shard, an
+    unknown id refused, a cancel recorded, on queues of different primaries."""
+    from producer import AsyncTeacherClient, TeacherRequest
+    from shared.errors import UnknownJob
+
+    async def run(q: str) -> list:
+        s = cluster_settings(cluster.url, q, tmp_path, min_replicas_acked=1)
+        async with AsyncTeacherClient(s, trace_process=None) as client:
+            ids = await client.submit(
+                [TeacherRequest(input_ids=[1, 2, 3]), TeacherRequest(input_ids=[4, 5, 6, 7])]
+            )
+            assert await client._memory_full() is None
+            with pytest.raises(UnknownJob):
+                await client.cancel("j-doesnotexist")
+            await client.cancel(ids[0])
+            [cancelled] = await client.results(ids[:1])
+            return [cancelled.error, await client.r.xlen(keys.jobs_stream(q))]
+
+    for q in queues_on_distinct_shards(2, "aio"):
+        error, queued = asyncio.run(run(q))
+        assert error == "cancelled by the user" and queued == 2
+
+
 def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
     """A primary and a replica watched by three sentinels; the client and the consumer find
     the primary through a sentinel URL; the primary is killed -9 mid-run; the sentinels
