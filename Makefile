@@ -10,7 +10,9 @@ STAMP := $(VENV)/.teacherq-installed
 # A CPU machine must not pull a multi-GB CUDA build: pin the torch wheel (on our CI machines
 # torch 2.13.0 CPU lies on local disk). On a GPU host, install your CUDA torch first.
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?=
+# The longer fault-tolerance and layout variants carry the `slow` marker: run them with
+# `make test PYTEST_ARGS='-m slow'` (or `-m ""` for everything).
+PYTEST_ARGS ?= -m "not slow"
 
 .PHONY: demo test lint setup clean browser
 
