@@ -211,14 +211,7 @@ def run(settings: Settings) -> int:
             return 0
         from shared.storage import ObjectStore
 
-        st = settings.storage
-        store = ObjectStore.from_url(
-            st.url,
-            endpoint=st.endpoint,
-            region=st.region,
-            access_key_id=st.access_key_id,
-            secret_access_key=st.secret_access_key,
-        )
+        store = ObjectStore.from_settings(settings.storage)
         assert client is not None and choice is not None
         leader = Leader(
             settings=settings,

@@ -91,14 +91,7 @@ class AsyncTeacherClient:
     def store(self) -> ObjectStore:
         """The object store bulk results are read from (opened on first use)."""
         if self._store is None:
-            s = self.settings.storage
-            self._store = ObjectStore.from_url(
-                s.url,
-                endpoint=s.endpoint,
-                region=s.region,
-                access_key_id=s.access_key_id,
-                secret_access_key=s.secret_access_key,
-            )
+            self._store = ObjectStore.from_settings(self.settings.storage)
         return self._store
 
     async def limits(self) -> Limits:

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Config
     from obstore.store import ObjectStore as _RawStore
 
+    from shared.settings import StorageSettings
+
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "MULTIPART_CHUNK_SIZE",
@@ -215,6 +217,18 @@ class ObjectStore:
         self._url = url if url.endswith("://") else url.rstrip("/")
         self._multipart_threshold = multipart_threshold
         self._multipart_chunk_size = multipart_chunk_size
+
+    @classmethod
+    def from_settings(cls, storage: StorageSettings, *, url: str | None = None) -> ObjectStore:
+        """The store `storage.url` names (or `url`, e.g. a dataset's output location), with the
+        S3 endpoint, region and keys of the `storage` settings."""
+        return cls.from_url(
+            storage.url if url is None else url,
+            endpoint=storage.endpoint,
+            region=storage.region,
+            access_key_id=storage.access_key_id,
+            secret_access_key=storage.secret_access_key,
+        )
 
     @classmethod
     def from_url(

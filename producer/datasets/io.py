@@ -122,13 +122,7 @@ class _ReaderFile(io.RawIOBase):
 
 def object_store(url: str, storage: StorageSettings) -> ObjectStore:
     """The object store at `url`, with the S3 settings from `storage`."""
-    return ObjectStore.from_url(
-        url,
-        endpoint=storage.endpoint,
-        region=storage.region,
-        access_key_id=storage.access_key_id,
-        secret_access_key=storage.secret_access_key,
-    )
+    return ObjectStore.from_settings(storage, url=url)
 
 
 @contextmanager
