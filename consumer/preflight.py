@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("teacherq.preflight")
 
-# Every command teacherq sends (Redis 7.2 command set; Valkey 7.2+ has all of them).
+# Every command teacherq sends (Redis 7.2 command set; Valkey 7.2+ has all of them), packed
+# eight to a line (kept by fmt: skip).
 REQUIRED_COMMANDS = (
     "xadd", "xreadgroup", "xack", "xautoclaim", "xclaim", "xpending", "xinfo", "xtrim",
     "xrange", "xrevrange", "xread", "xgroup", "xlen", "eval", "evalsha", "script", "hset",

@@ -184,8 +184,12 @@ class ResultWriter:
                     self._refused_since = self._refused_since or time.monotonic()
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self.abandoned += 1
-                    log.warning("store.abandoned", job_id=task.result.job_id,
-                                entry_id=task.entry_id, error=str(exc))  # fmt: skip
+                    log.warning(
+                        "store.abandoned",
+                        job_id=task.result.job_id,
+                        entry_id=task.entry_id,
+                        error=str(exc),
+                    )
                     return False
                 log.warning("store.retry", job_id=task.result.job_id, error=str(exc), delay_s=delay)
                 time.sleep(delay)

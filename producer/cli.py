@@ -218,9 +218,13 @@ def replay(
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
     decisions = do_replay(
-        _client(settings), job_ids=job_ids or None, reason=reason, since=since_ts,
-        dry_run=dry_run, force=force,
-    )  # fmt: skip
+        _client(settings),
+        job_ids=job_ids or None,
+        reason=reason,
+        since=since_ts,
+        dry_run=dry_run,
+        force=force,
+    )
     if as_json or not _tty():
         for d in decisions:
             typer.echo(json.dumps(d.to_json()))
@@ -343,8 +347,10 @@ def redis_cmd(
     settings = _settings()
     home = Path(settings.redis.home)
     if settings.redis.url:
-        err.print(f"note: TEACHERQ_REDIS__URL={settings.redis.url} is set; commands use it, "
-                  "not the embedded server")  # fmt: skip
+        err.print(
+            f"note: TEACHERQ_REDIS__URL={settings.redis.url} is set; commands use it, "
+            "not the embedded server"
+        )
     if action == "url":
         url = running_url(home)
         if url is None:
@@ -354,8 +360,10 @@ def redis_cmd(
     elif action == "start":
         url, started = ensure_embedded(home)
         typer.echo(url)
-        err.print(f"{'started' if started else 'already running:'} embedded valkey-server "
-                  f"in {home} (AOF on)")  # fmt: skip
+        err.print(
+            f"{'started' if started else 'already running:'} embedded valkey-server "
+            f"in {home} (AOF on)"
+        )
     elif action == "stop":
         typer.echo("stopped" if stop_embedded(home) else "not running")
     else:

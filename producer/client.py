@@ -137,8 +137,9 @@ class TeacherClient:
         q = self.settings.queue
         if q.backpressure == "raise":
             raise QueueFull(protocol.memory_message(self.settings, info))
-        log.warning("submit.memory_backpressure", queue=self.queue, used=info.used,
-                    limit=info.limit)  # fmt: skip
+        log.warning(
+            "submit.memory_backpressure", queue=self.queue, used=info.used, limit=info.limit
+        )
         deadline = time.monotonic() + q.backpressure_timeout_s
         cursor = self._done_cursor()
         while (info := self._memory_full()) is not None:
@@ -191,8 +192,11 @@ class TeacherClient:
         if self.settings.queue.delete_result_on_read:
             # Read once, then gone from Redis (queue.delete_result_on_read): the record's
             # memory is freed now instead of after result_ttl_s. Bulk objects stay in storage.
-            read = [keys.result_key(self.queue, j) for j, res in zip(job_ids, out, strict=True)
-                    if res is not None]  # fmt: skip
+            read = [
+                keys.result_key(self.queue, j)
+                for j, res in zip(job_ids, out, strict=True)
+                if res is not None
+            ]
             if read:
                 self.r.unlink(*read)
         return out
@@ -327,8 +331,12 @@ class TeacherClient:
         # An update whose consumers all died mid-way has nobody left to finish it: replace it.
         orphaned = not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s)
         req = weights.request_update(self.r, self.queue, path, take_over=orphaned)
-        log.debug("weights.requested", path=path or "(configured)", generation=req.generation,
-                 coalesced=req.coalesced)  # fmt: skip
+        log.debug(
+            "weights.requested",
+            path=path or "(configured)",
+            generation=req.generation,
+            coalesced=req.coalesced,
+        )
         if orphaned and not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s):
             return dataclasses.replace(req, no_consumer=True)
         if wait:

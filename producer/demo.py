@@ -94,8 +94,13 @@ def run_demo(settings: Settings, *, jobs: int = 40, timeout: float = 300.0) -> D
         client = TeacherClient(settings.model_copy(update={"redis": redis_cfg}), trace_process=None)
         # Record the demo's submit spans too, so `teacherq trace JOB_ID` shows whole trees.
         q = settings.queue
-        sink = install_sink(client.r, q.name, process="teacherq demo", ttl_s=q.trace_ttl_s,
-                            sample_rate=q.trace_sample_rate)  # fmt: skip
+        sink = install_sink(
+            client.r,
+            q.name,
+            process="teacherq demo",
+            ttl_s=q.trace_ttl_s,
+            sample_rate=q.trace_sample_rate,
+        )
         _wait_for_consumer(client, consumer, timeout=timeout)
         run = secrets.token_hex(3)
         vocab = client.limits().vocab_size or 1000

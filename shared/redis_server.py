@@ -57,7 +57,7 @@ def server_binary() -> Path:
 
 def server_args(*, data_dir: Path, port: int, daemonize: bool) -> list[str]:
     """Command line for a loopback valkey-server with the durability teacherq relies on."""
-    args = [
+    args = [  # one flag and its value to a line (kept by fmt: skip)
         str(server_binary()),
         "--port", str(port),
         "--bind", "127.0.0.1",
