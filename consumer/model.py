@@ -173,12 +173,32 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """The layers (global indices) pipeline stage `pp_rank` of `pp` holds: consecutive slices,
+    the first `num_layers % pp` stages one layer more than the others (32 layers on pp=3:
+    11, 11, 10). Raises ValueError when a stage would hold none."""
+    if pp > num_layers:
+        raise ValueError(
+            f"pipeline parallelism pp={pp} exceeds the model's {num_layers} layers; use pp <= "
+            f"{num_layers} (TEACHERQ_PARALLEL__PP)"
+        )
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
 def transformer_config(
-    spec: ModelSpec, *, tp: int, params_dtype: torch.dtype, init_weights: bool = True
+    spec: ModelSpec,
+    *,
+    tp: int,
+    params_dtype: torch.dtype,
+    init_weights: bool = True,
+    num_layers: int | None = None,
 ) -> TransformerConfig:
-    """The megatron TransformerConfig for a spec, teacher-only (no dropout, no grads needed)."""
+    """The megatron TransformerConfig for a spec, teacher-only (no dropout, no grads needed);
+    `num_layers`: a pipeline stage's share of the layers (default: all of them)."""
     return TransformerConfig(
-        num_layers=spec.num_layers,
+        num_layers=spec.num_layers if num_layers is None else num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_kv_heads,
@@ -223,19 +243,27 @@ def build_model(
     initialises the full master weight on CPU and slices it). Checkpoint loaders pass
     `init_weights=False`: the parameters are then zero-filled instead of drawn, which for a
     multi-billion-parameter model saves minutes of CPU time before every weight is overwritten.
+
+    At pp > 1 the model holds only this stage's layers (`stage_layers`, numbered from 0 in it),
+    the embedding on the first stage and the final norm and output weight on the last.
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
+    layers = stage_layers(spec.num_layers, layout.pp, layout.pp_rank)
     config = transformer_config(
-        spec, tp=layout.tp, params_dtype=params_dtype, init_weights=init_weights
+        spec,
+        tp=layout.tp,
+        params_dtype=params_dtype,
+        init_weights=init_weights,
+        num_layers=len(layers),
     )
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP
-    block_spec = _moe_block_spec(spec, layout, layer_spec) if spec.is_moe else layer_spec
+    block_spec = _moe_block_spec(spec, layout, layer_spec, layers) if spec.is_moe else layer_spec
     rope_kwargs = _rope_kwargs(spec)
     with torch.device("cpu"):
         model = TeacherGPTModel(
@@ -246,8 +274,8 @@ def build_model(
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
             share_embeddings_and_output_weights=spec.tie_embeddings,
-            pre_process=True,
-            post_process=True,
+            pre_process=layout.is_first_stage,
+            post_process=layout.is_last_stage,
             **rope_kwargs,
         )
     model.requires_grad_(False)
@@ -264,8 +292,9 @@ def build_model(
     return model.to(device=device).eval()
 
 
-def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec):
-    """Per-layer specs: the sparse layers get a TeacherMoE in their MLP slot."""
+def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices: range):
+    """Per-layer specs of the layers `indices`: the sparse ones get a TeacherMoE in their MLP
+    slot."""
     import copy
 
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -280,10 +309,10 @@ def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec):
         size=layout.replica_size,
         rank=layout.replica_rank,
         ep=layout.ep,
-        group=layout.replica_group if layout.replica_size > 1 else None,
+        group=layout.stage_group if layout.replica_size > 1 else None,
     )
     layers = []
-    for i in range(spec.num_layers):
+    for i in indices:
         layer = copy.copy(layer_spec)
         if spec.is_sparse_layer(i):
             layer.submodules = copy.copy(layer_spec.submodules)
