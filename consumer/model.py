@@ -289,7 +289,27 @@ def build_model(
     if not init_weights:  # defined contents (zeros) for anything a loader leaves, e.g. padding
         for p in model.parameters():
             p.zero_()
+    if layout.pp > 1:
+        _stage_checkpoint_offsets(model, layers, spec.num_layers)
     return model.to(device=device).eval()
+
+
+def _stage_checkpoint_offsets(model: TeacherGPTModel, layers: range, total: int) -> None:
+    """Make a stage's layers describe themselves in torch_dist checkpoints as layers
+    `layers` of `total` (megatron sees each stage as a whole model, so it would say 0 .. n - 1
+    of n): each layer's sharded state dict gets its place on the stacked layer axis, and the
+    stage reads exactly its slice of every stacked tensor."""
+    for local, layer in enumerate(model.decoder.layers):
+        method = layer.sharded_state_dict
+
+        def shifted(prefix="", sharded_offsets=(), metadata=None, _method=method, _local=local):
+            moved = tuple(
+                (axis, layers.start + _local, total) if axis == 0 else (axis, at, size)
+                for axis, at, size in sharded_offsets
+            )
+            return _method(prefix, moved, metadata)
+
+        layer.sharded_state_dict = shifted
 
 
 def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices: range):

@@ -56,14 +56,14 @@ def _jobs(requests: list[dict]) -> list:
 
 def _scorer(tp: int, pp: int, path: str, microbatches: int = 0):
     from consumer import cpu_compat
-    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.checkpoints import load_teacher
     from consumer.parallel import init_parallel
     from consumer.pipeline import PipelineScorer
     from consumer.scoring import Scorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=tp, pp=pp)
-    model, spec = load_hf_checkpoint(path, layout)
+    model, spec, _ = load_teacher(path, layout, params_dtype=torch.float32, device="cpu")
     common = {"model": model, "spec": spec, "layout": layout, "device": torch.device("cpu")}
     if pp == 1:
         return Scorer(**common)
@@ -129,6 +129,18 @@ def test_tp2_pp2_matches_transformers_and_pp1(checkpoints, pp1) -> None:
     results = run_gloo(4, _score_worker, 2, 2, str(checkpoints["qwen2_tied"]), 0, timeout=240)
     assert [r["layers"] for r in results] == [2, 2, 1, 1]
     _compare(results[0]["outputs"], pp1["qwen2_tied"], checkpoints["qwen2_tied"], _requests())
+
+
+def test_torch_dist_checkpoint_loads_by_stage(checkpoints, pp1, layout, tmp_path) -> None:
+    # A torch_dist checkpoint written at pp = 1 (stacked layer tensors) loads at pp = 2 and
+    # TP = 2 x pp = 2: each stage reads its slice of the layer axis.
+    from consumer.checkpoints import load_hf_checkpoint, save_megatron_checkpoint
+
+    model, spec = load_hf_checkpoint(checkpoints["qwen2_tied"], layout)
+    save_megatron_checkpoint(model, tmp_path / "mg", spec=spec)
+    for tp, world in ((1, 2), (2, 4)):
+        results = run_gloo(world, _score_worker, tp, 2, str(tmp_path / "mg"), 0, timeout=240)
+        _compare(results[0]["outputs"], pp1["qwen2_tied"], checkpoints["qwen2_tied"], _requests())
 
 
 def test_one_microbatch_and_many_agree(checkpoints, pp1) -> None:
