@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from consumer.agreement import peers_alive
 from consumer.attention import TreeBounds, VarlenLayout
 from consumer.batching import BatchTensors
 from consumer.prefix import PackedTree
@@ -102,7 +103,8 @@ class PipelineScorer(Scorer):
                 received = None
                 if inbox:
                     received, request = inbox[m]
-                    request.wait()
+                    with peers_alive("receiving hidden states from the previous stage"):
+                        request.wait()
                 try:
                     out = self._stage_forward(tree, rows, ids_P, pos_P, received)
                 except Exception as exc:  # noqa: BLE001 - raised after the transfers below
@@ -113,8 +115,9 @@ class PipelineScorer(Scorer):
                     sends.append((out, _posted(dist.isend(out, dst=layout.next_stage_rank, tag=m))))
                 else:
                     outs.append(out)
-            for _, request in sends:
-                request.wait()
+            with peers_alive("sending hidden states to the next stage"):
+                for _, request in sends:
+                    request.wait()
         if error is not None:
             raise error
         if not outs:
@@ -183,10 +186,12 @@ class PipelinePending(PendingScore):
             except Exception as exc:  # noqa: BLE001 - raised below, after the transfer
                 error = exc
         if layout.rank == layout.writer_rank:
-            send_object(None if error else outputs, dst=layout.leader_rank, device=device)
+            with peers_alive("sending the outputs to the leader"):
+                send_object(None if error else outputs, dst=layout.leader_rank, device=device)
             outputs = []
         elif layout.is_leader:
-            received = recv_object(src=layout.writer_rank, device=device)
+            with peers_alive("receiving the outputs of the last stage"):
+                received = recv_object(src=layout.writer_rank, device=device)
             if error is None and received is None:
                 error = RuntimeError("the last pipeline stage failed scoring the batch")
             outputs = received if isinstance(received, list) else []

@@ -220,3 +220,35 @@ def test_layout_accepts_pipelines() -> None:
     assert check_layout(world_size=8, tp=1, pp=4, ep=2) == 1
     with pytest.raises(LayoutError, match="multiple of 4"):
         check_layout(world_size=6, tp=2, pp=2)
+
+
+def _peer_gone_worker(rank: int, world: int, path: str):
+    import time
+
+    from consumer.agreement import ReplicaBroken, score_agreed
+    from consumer.batching import batch_from_jobs
+    from consumer.faults import FaultInjector
+
+    scorer = _scorer(1, 2, path)
+    batch = batch_from_jobs(_jobs(_requests()))
+    faults = FaultInjector(None, rank=rank)
+    score_agreed(scorer, batch, faults)
+    if rank == 1:
+        return "left"  # the last stage leaves: its connections close
+    time.sleep(2.0)
+    try:
+        score_agreed(scorer, batch, faults)
+    except ReplicaBroken as exc:
+        return f"broken: {exc}"
+    except Exception as exc:  # noqa: BLE001 - the test reports what it got instead
+        return f"wrong kind: {type(exc).__name__}: {exc}"
+    return "scored without its last stage"
+
+
+def test_a_vanished_stage_breaks_the_replica_instead_of_failing_jobs(checkpoints) -> None:
+    # A stage that is gone is not the batch's fault: the leader must not fail (and in the end
+    # dead-letter) jobs for it, but end with ReplicaBroken (the process exits; see
+    # consumer/agreement.py), so its entries go to another consumer.
+    results = run_gloo(2, _peer_gone_worker, str(checkpoints["llama"]), timeout=120)
+    assert results[1] == "left"
+    assert results[0].startswith("broken: ") and "a peer rank is gone" in results[0], results[0]
