@@ -155,7 +155,7 @@ class ModelSettings(_Section):
 
 class ParallelSettings(_Section):
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree (ranks per replica)."""
+    """Tensor-parallel degree (ranks per TP group; a replica is max(tp, ep) x pp ranks)."""
 
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel degree: a replica spans pp stages of max(tp, ep) ranks, each holding

@@ -54,7 +54,7 @@ def _jobs(requests: list[dict]) -> list:
     ]
 
 
-def _scorer(tp: int, pp: int, path: str, microbatches: int = 0):
+def _scorer(tp: int, pp: int, path: str, microbatches: int = 0, ep: int = 1):
     from consumer import cpu_compat
     from consumer.checkpoints import load_teacher
     from consumer.parallel import init_parallel
@@ -62,7 +62,7 @@ def _scorer(tp: int, pp: int, path: str, microbatches: int = 0):
     from consumer.scoring import Scorer
 
     cpu_compat.apply()
-    layout = init_parallel(tp=tp, pp=pp)
+    layout = init_parallel(tp=tp, pp=pp, ep=ep)
     model, spec, _ = load_teacher(path, layout, params_dtype=torch.float32, device="cpu")
     common = {"model": model, "spec": spec, "layout": layout, "device": torch.device("cpu")}
     if pp == 1:
@@ -70,15 +70,17 @@ def _scorer(tp: int, pp: int, path: str, microbatches: int = 0):
     return PipelineScorer(**common, microbatches=microbatches)
 
 
-def _score_worker(rank: int, world: int, tp: int, pp: int, path: str, microbatches: int):
+def _score_worker(
+    rank: int, world: int, tp: int, pp: int, path: str, microbatches: int, ep: int = 1
+):
     from consumer.agreement import score_agreed
     from consumer.batching import batch_from_jobs
     from consumer.faults import FaultInjector
 
-    scorer = _scorer(tp, pp, path, microbatches)
+    scorer = _scorer(tp, pp, path, microbatches, ep)
     layout = scorer.layout
     assert layout.replica_size * pp == world and layout.leader_rank == 0
-    assert layout.pp_rank == rank // tp and layout.tp_rank == rank % tp
+    assert layout.pp_rank == rank // layout.replica_size and layout.tp_rank == rank % tp
     batch = batch_from_jobs(_jobs(_requests()))
     outputs, phases = score_agreed(scorer, batch, FaultInjector(None, rank=rank))
     assert len(phases) == world
@@ -129,6 +131,19 @@ def test_tp2_pp2_matches_transformers_and_pp1(checkpoints, pp1) -> None:
     results = run_gloo(4, _score_worker, 2, 2, str(checkpoints["qwen2_tied"]), 0, timeout=240)
     assert [r["layers"] for r in results] == [2, 2, 1, 1]
     _compare(results[0]["outputs"], pp1["qwen2_tied"], checkpoints["qwen2_tied"], _requests())
+
+
+def test_moe_ep2_pp2_matches_transformers_and_pp1(hf_checkpoint) -> None:
+    # A mixture-of-experts teacher: each stage splits its experts over its own two ranks.
+    path = str(
+        hf_checkpoint(
+            "qwen3_moe", "pp-qwen3-moe", seed=33, vocab_size=VOCAB, num_layers=3, num_experts=4
+        )
+    )
+    [want] = run_gloo(1, _score_worker, 1, 1, path, 0, timeout=120)
+    results = run_gloo(4, _score_worker, 1, 2, path, 0, 2, timeout=240)
+    assert [r["layers"] for r in results] == [2, 2, 1, 1]
+    _compare(results[0]["outputs"], want["outputs"], path, _requests())
 
 
 def test_torch_dist_checkpoint_loads_by_stage(checkpoints, pp1, layout, tmp_path) -> None:
