@@ -9,6 +9,7 @@ so no [tokens, vocab] logits tensor is ever materialised.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -245,9 +246,18 @@ def build_model(
     multi-billion-parameter model saves minutes of CPU time before every weight is overwritten.
 
     At pp > 1 the model holds only this stage's layers (`stage_layers`, numbered from 0 in it),
-    the embedding on the first stage and the final norm and output weight on the last.
+    the embedding on the first stage and the final norm and output weight on the last; random
+    weights are then this stage's part of the whole model drawn as at pp = 1, so a seed gives
+    one teacher whatever the layout.
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if layout.pp > 1 and init_weights:
+        whole_layout = dataclasses.replace(layout, pp=1, pp_rank=0)
+        whole = build_model(spec, whole_layout, params_dtype=params_dtype, seed=seed)
+        stage = build_model(spec, layout, params_dtype=params_dtype, init_weights=False)
+        _copy_stage(whole, stage, stage_layers(spec.num_layers, layout.pp, layout.pp_rank))
+        return stage.to(device=device)
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
@@ -292,6 +302,20 @@ def build_model(
     if layout.pp > 1:
         _stage_checkpoint_offsets(model, layers, spec.num_layers)
     return model.to(device=device).eval()
+
+
+@torch.no_grad()
+def _copy_stage(whole: TeacherGPTModel, stage: TeacherGPTModel, layers: range) -> None:
+    """Copy a stage's parameters out of the whole model (pp = 1, same TP shard)."""
+    full = dict(whole.named_parameters())
+    for name, param in stage.named_parameters():
+        source = name
+        if name.startswith("decoder.layers."):
+            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            source = f"decoder.layers.{layers.start + int(local)}.{rest}"
+        elif name == "output_layer.weight" and name not in full:  # tied: the embedding
+            source = "embedding.word_embeddings.weight"
+        param.copy_(full[source])
 
 
 def _stage_checkpoint_offsets(model: TeacherGPTModel, layers: range, total: int) -> None:

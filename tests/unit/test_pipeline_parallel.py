@@ -267,3 +267,38 @@ def test_a_vanished_stage_breaks_the_replica_instead_of_failing_jobs(checkpoints
     results = run_gloo(2, _peer_gone_worker, str(checkpoints["llama"]), timeout=120)
     assert results[1] == "left"
     assert results[0].startswith("broken: ") and "a peer rank is gone" in results[0], results[0]
+
+
+def _random_init_worker(rank: int, world: int, pp: int, tied: bool):
+    import dataclasses
+
+    from consumer import cpu_compat
+    from consumer.batching import batch_from_jobs
+    from consumer.model import TINY, build_model
+    from consumer.parallel import init_parallel
+    from consumer.pipeline import PipelineScorer
+    from consumer.scoring import Scorer
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=1, pp=pp)
+    spec = dataclasses.replace(TINY, num_layers=3, tie_embeddings=tied)
+    model = build_model(spec, layout)
+    kind = PipelineScorer if pp > 1 else Scorer
+    scorer = kind(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+    requests = [{k: v for k, v in r.items() if k != "label_token_ids"} for r in _requests()]
+    outputs = scorer.score(batch_from_jobs(_jobs(requests)))
+    return outputs if layout.is_leader else None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_weights_are_one_teacher_whatever_the_stages(tied) -> None:
+    # The tiny preset (random weights from a seed) is the same model at pp = 2 as at pp = 1:
+    # each stage keeps its part of the whole model drawn as at pp = 1.
+    [want] = run_gloo(1, _random_init_worker, 1, tied, timeout=120)
+    got = run_gloo(2, _random_init_worker, 2, tied, timeout=120)[0]
+    for g, w in zip(got, want, strict=True):
+        for key, value in g.items():
+            if value.dtype.kind in "iu":
+                np.testing.assert_array_equal(value, w[key], err_msg=key)
+            else:
+                np.testing.assert_allclose(value, w[key], atol=ATOL_PP1, rtol=0, err_msg=key)
