@@ -12,6 +12,7 @@ Paths, on the same documents (lengths uniform in 256..4096, drawn from `--seed`)
   hf        Qwen3MoeForCausalLM (transformers' default experts implementation), documents
             sorted by length into right-padded batches of at most `--tokens-per-forward` tokens
             with an attention mask: logits, a float32 log_softmax and the next-token gather;
+  hf_bare   the same batches through `model.model` to the final hidden states only;
   teacherq  TeacherGPTModel with TeacherMoE layers (consumer/moe.py) and the chunked head via
             Scorer.score on the consumer's packed micro-batches of the same budget, every output
             (next-token log-probs, top-64, 8 samples, entropy) or `--label-only`.
@@ -185,6 +186,28 @@ def padded_batches(docs: list[np.ndarray], budget: int) -> list[list[np.ndarray]
     return batches
 
 
+def _padded(batch: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(d) for d in batch)
+    ids = torch.zeros(len(batch), n, dtype=torch.long)
+    mask = torch.zeros(len(batch), n, dtype=torch.long)
+    for i, d in enumerate(batch):
+        ids[i, : len(d)] = torch.as_tensor(d)
+        mask[i, : len(d)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run_hf_bare(model, docs, args, device) -> float:
+    """transformers' forward to the final hidden states only: its ceiling."""
+    batches = [_padded(b, device) for b in padded_batches(docs, args.tokens_per_forward)]
+
+    @torch.inference_mode()
+    def one_pass() -> None:
+        for ids, mask in batches:
+            model.model(input_ids=ids, attention_mask=mask)
+
+    return _timed(one_pass, device, args.iters)
+
+
 def run_hf(model, docs, args, device) -> tuple[float, list[np.ndarray]]:
     batches = padded_batches(docs, args.tokens_per_forward)
     out: list[np.ndarray] = []
@@ -193,13 +216,7 @@ def run_hf(model, docs, args, device) -> tuple[float, list[np.ndarray]]:
     def one_pass() -> None:
         out.clear()
         for batch in batches:
-            n = max(len(d) for d in batch)
-            ids = torch.zeros(len(batch), n, dtype=torch.long)
-            mask = torch.zeros(len(batch), n, dtype=torch.long)
-            for i, d in enumerate(batch):
-                ids[i, : len(d)] = torch.as_tensor(d)
-                mask[i, : len(d)] = 1
-            ids, mask = ids.to(device), mask.to(device)
+            ids, mask = _padded(batch, device)
             logits = model(input_ids=ids, attention_mask=mask).logits
             lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             got = lp.gather(-1, ids[:, 1:, None])[..., 0].cpu()
@@ -267,7 +284,9 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         rows = torch.div(picks, cfg["top_k"], rounding_mode="floor")
         y = swiglu_experts(x[rows], experts.gate_up_proj, experts.down_proj, counts)
         y = y * weights.reshape(-1)[picks, None]
-        return torch.zeros_like(x).index_add_(0, rows, y)
+        full = torch.empty_like(y)
+        full[picks] = y  # as TeacherMoE combines: a sum over each token's k rows
+        return full.view(tokens, cfg["top_k"], -1).sum(dim=1)
 
     def theirs() -> torch.Tensor:
         return experts(x, ids, weights)
@@ -352,6 +371,11 @@ def main() -> None:
         "tokens_per_s": sum(lengths) / seconds_hf,
         "mfu_active": flops / seconds_hf / PEAK_FLOPS,
         "peak_gib": _peak_gib(device),
+    }
+    seconds_bare = run_hf_bare(hf, docs, args, device)
+    report["hf_bare"] = {
+        "tokens_per_s": sum(lengths) / seconds_bare,
+        "mfu_active": active_flops({**cfg, "vocab_size": 0}, lengths) / seconds_bare / PEAK_FLOPS,
     }
     report["ratio_teacherq_over_hf"] = seconds_hf / seconds
     if args.tiny:

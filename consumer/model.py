@@ -144,6 +144,24 @@ class TeacherGPTModel(GPTModel):
             self.register_buffer("_rope_sin", angles.sin().contiguous(), persistent=False)
         return self._rope_cos, self._rope_sin
 
+    stage_first_layer = 0  # global index of this pipeline stage's first layer
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's sharded state dict; on a later pipeline stage, checkpoint keys that name
+        a layer (`decoder.layers.<i>.`, per-layer keys) name its global index."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.stage_first_layer:
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+            head = f"{prefix}decoder.layers."
+            for item in nested_values(out):
+                key = getattr(item, "key", None)
+                if isinstance(key, str) and key.startswith(head):
+                    index, dot, rest = key[len(head) :].partition(".")
+                    if index.isdigit() and dot:
+                        item.key = f"{head}{self.stage_first_layer + int(index)}.{rest}"
+        return out
+
     def output_weight_shard(self) -> torch.Tensor:
         """This rank's rows of the output projection, [padded_vocab / tp, hidden]."""
         if self.share_embeddings_and_output_weights:
@@ -270,6 +288,8 @@ def build_model(
         init_weights=init_weights,
         num_layers=len(layers),
     )
+    if spec.is_moe:  # dense and sparse layers differ: checkpoint keys per layer, not stacked
+        config.hetereogenous_dist_checkpoint = True  # (megatron's spelling)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP
@@ -322,7 +342,10 @@ def _stage_checkpoint_offsets(model: TeacherGPTModel, layers: range, total: int)
     """Make a stage's layers describe themselves in torch_dist checkpoints as layers
     `layers` of `total` (megatron sees each stage as a whole model, so it would say 0 .. n - 1
     of n): each layer's sharded state dict gets its place on the stacked layer axis, and the
-    stage reads exactly its slice of every stacked tensor."""
+    stage reads exactly its slice of every stacked tensor. Checkpoints keyed per layer
+    (mixture-of-experts models) get the layer's global index in the key instead
+    (`TeacherGPTModel.sharded_state_dict`)."""
+    model.stage_first_layer = layers.start
     for local, layer in enumerate(model.decoder.layers):
         method = layer.sharded_state_dict
 

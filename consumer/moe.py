@@ -63,9 +63,11 @@ def renormalises(spec: ModelSpec) -> bool:
 class TeacherMoE(torch.nn.Module):
     """Router, this rank's experts (their FFN slice) and its slice of the shared expert.
 
-    Parameters: `router.weight` [E, h] (whole on every rank), `experts_fc1` [E_local, 2 f_l, h]
-    ([gate; up] of each local expert's slice), `experts_fc2` [E_local, h, f_l], and for a shared
-    expert `shared_fc1` [2 s_l, h], `shared_fc2` [h, s_l], `shared_gate` [1, h].
+    Parameters: `router.weight` [E, h] (whole on every rank), `experts_fc1` [E_local, 2, f_l, h]
+    (gate and up of each local expert's slice), `experts_fc2` [E_local, h, f_l], and for a shared
+    expert `shared_fc1` [2, s_l, h], `shared_fc2` [h, s_l], `shared_gate` [1, h]. Each is a block
+    of one global tensor ([E, 2, f, h], ...), which is how `sharded_state_dict` describes them to
+    megatron's dist checkpointing: a torch_dist checkpoint reloads at any tp x ep.
     """
 
     def __init__(self, config, spec: ModelSpec, experts: ExpertLayout) -> None:
@@ -74,17 +76,18 @@ class TeacherMoE(torch.nn.Module):
         self.layout = experts
         self.top_k = spec.moe_top_k
         self.renormalise = renormalises(spec)
+        self.float_weights = spec.family == "mixtral"
         h, dtype = spec.hidden_size, config.params_dtype
         self.num_local = spec.num_experts // experts.ep
         self.first_expert = experts.ep_rank * self.num_local
         f = spec.moe_ffn_hidden_size // experts.etp
         self.router = torch.nn.Linear(h, spec.num_experts, bias=False, dtype=dtype)
-        self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2 * f, h, dtype=dtype))
+        self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2, f, h, dtype=dtype))
         self.experts_fc2 = torch.nn.Parameter(torch.empty(self.num_local, h, f, dtype=dtype))
         self.shared = spec.moe_shared_ffn_hidden_size > 0
         if self.shared:
             s = spec.moe_shared_ffn_hidden_size // experts.size
-            self.shared_fc1 = torch.nn.Parameter(torch.empty(2 * s, h, dtype=dtype))
+            self.shared_fc1 = torch.nn.Parameter(torch.empty(2, s, h, dtype=dtype))
             self.shared_fc2 = torch.nn.Parameter(torch.empty(h, s, dtype=dtype))
             self.shared_gate = torch.nn.Parameter(torch.empty(1, h, dtype=dtype))
         std = float(getattr(config, "init_method_std", 0.02))
@@ -96,13 +99,14 @@ class TeacherMoE(torch.nn.Module):
                     p.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) of tokens x [T, h]."""
+        """(weights [T, k], expert ids [T, k]) of tokens x [T, h]. The weights are in x's dtype
+        (Qwen), or float32 (Mixtral): each family's reference keeps its own."""
         logits = F.linear(x, self.router.weight)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return (weights if self.float_weights else weights.to(x.dtype)), ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -110,6 +114,8 @@ class TeacherMoE(torch.nn.Module):
             local = flat
             picks = torch.argsort(flat, stable=True)
         else:
+            # only this rank's rows (a host sync for their count): carrying every routed row
+            # through the gather and SwiGLU would move ep times the bytes the GEMMs need
             mine = (flat >= self.first_expert) & (flat < self.first_expert + self.num_local)
             where = mine.nonzero().squeeze(1)
             order = torch.argsort(flat[where], stable=True)
@@ -118,9 +124,16 @@ class TeacherMoE(torch.nn.Module):
         expert = local[picks]
         counts = torch.bincount(expert, minlength=self.num_local)
         tokens = torch.div(picks, self.top_k, rounding_mode="floor")
-        y = swiglu_experts(x[tokens], self.experts_fc1, self.experts_fc2, counts)
-        y = y * weights.reshape(-1)[picks, None]
-        return torch.zeros_like(x).index_add_(0, tokens, y)
+        fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
+        y = swiglu_experts(x[tokens], fc1, self.experts_fc2, counts)
+        y = (y * weights.reshape(-1)[picks, None]).to(x.dtype)
+        # back to [token, choice] order, then a sum over each token's k choices: deterministic
+        # (an index_add_ of the k rows would race on CUDA atomics)
+        full = (
+            x.new_zeros(flat.shape[0], x.shape[-1]) if self.layout.ep > 1 else torch.empty_like(y)
+        )
+        full[picks] = y
+        return full.view(x.shape[0], self.top_k, x.shape[-1]).sum(dim=1)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # megatron's MLP call
         shape = hidden_states.shape
@@ -128,8 +141,40 @@ class TeacherMoE(torch.nn.Module):
         weights, ids = self.route(x)
         out = self._routed(x, weights, ids)
         if self.shared:
-            shared = F.linear(swiglu(F.linear(x, self.shared_fc1)), self.shared_fc2)
+            up = F.linear(x, self.shared_fc1.flatten(0, 1))
+            shared = F.linear(swiglu(up), self.shared_fc2)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         if self.layout.group is not None:
             dist.all_reduce(out, group=self.layout.group)
         return out.reshape(shape), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron dist-checkpointing entries: each parameter as this rank's block of its global
+        tensor; whole copies (router, shared gate) are saved by one rank of one replica."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        lay = self.layout
+        prepend = len(sharded_offsets)  # axes megatron stacks layers on, if it does
+        replica = dist.get_rank() // lay.size if dist.is_initialized() else 0
+        by_expert = (0, lay.ep_rank, lay.ep)
+        out = {}
+
+        def add(name: str, tensor: torch.Tensor, *offsets, copy: bool = False) -> None:
+            mine = [(axis + prepend, rank, parts) for axis, rank, parts in offsets]
+            out[prefix + name] = ShardedTensor.from_rank_offsets(
+                prefix + name,
+                tensor,
+                *sharded_offsets,
+                *mine,
+                replica_id=(0, lay.rank if copy else 0, replica),
+                prepend_axis_num=prepend,
+            )
+
+        add("router.weight", self.router.weight, copy=True)
+        add("experts_fc1", self.experts_fc1, by_expert, (2, lay.etp_rank, lay.etp))
+        add("experts_fc2", self.experts_fc2, by_expert, (2, lay.etp_rank, lay.etp))
+        if self.shared:
+            add("shared_fc1", self.shared_fc1, (1, lay.rank, lay.size))
+            add("shared_fc2", self.shared_fc2, (1, lay.rank, lay.size))
+            add("shared_gate", self.shared_gate, copy=True)
+        return out

@@ -280,8 +280,9 @@ class ConsumerSettings(_Section):
     """Where the model runs; auto picks CUDA when available."""
 
     cuda_graphs: int = Field(default=4, ge=0)
-    """Packed batch layouts whose forward is kept as a CUDA graph (CUDA at TP = 1 only), the
-    most recently used; a layout is recorded the second time it comes. 0: always eager."""
+    """Packed batch layouts whose forward is kept as a CUDA graph (CUDA at TP = 1, dense
+    teachers only: a MoE layer's shapes follow its routing), the most recently used; a layout
+    is recorded the second time it comes. 0: always eager."""
 
     # Teacher-only: a consumer never trains. These exist so that a settings file written for a
     # trainer is refused with a clear reason instead of being half-honoured.

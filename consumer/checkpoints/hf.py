@@ -237,10 +237,11 @@ def _llama3_params(config: dict, scaling: dict) -> dict:
 
 
 def spec_from_hf_config(config: dict) -> ModelSpec:
-    """The ModelSpec of a dense Llama / Qwen2 / Qwen3 config.json (a dict).
+    """The ModelSpec of a Llama / Qwen2 / Qwen3 config.json, or of a Qwen3-MoE / Qwen2-MoE /
+    Mixtral one (a dict).
 
     Raises `CheckpointError` for anything megatron-core cannot reproduce exactly:
-    mixture-of-experts models, other architectures, sliding-window attention, output or MLP
+    other mixture-of-experts models, other architectures, sliding-window attention, output or MLP
     biases, activations other than SiLU, and unsupported RoPE variants.
     """
     reason = moe_reason(config)

@@ -155,12 +155,12 @@ def sparse_layer_readers(
             experts = slice(first, first + local)
             gate = ckpt.read_slices(name, experts, cols)
             up = ckpt.read_slices(name, experts, slice(f + cols.start, f + cols.stop))
-            return torch.cat([gate, up], dim=1)
+            return torch.stack([gate, up], dim=1)
         parts = []
         for e in range(first, first + local):
             gate = ckpt.read(names.expert(e, names.gate), rows=cols)
             up = ckpt.read(names.expert(e, names.up), rows=cols)
-            parts.append(torch.cat([gate, up]))
+            parts.append(torch.stack([gate, up]))
         return torch.stack(parts)
 
     def fc2(ckpt: HfCheckpoint) -> torch.Tensor:
@@ -183,7 +183,7 @@ def sparse_layer_readers(
 
         def shared_fc1(ckpt: HfCheckpoint) -> torch.Tensor:
             gate = ckpt.read(p + "gate_proj.weight", rows=rows)
-            return torch.cat([gate, ckpt.read(p + "up_proj.weight", rows=rows)])
+            return torch.stack([gate, ckpt.read(p + "up_proj.weight", rows=rows)])
 
         readers[mg + "shared_fc1"] = shared_fc1
         readers[mg + "shared_fc2"] = lambda ckpt: ckpt.read(p + "down_proj.weight", cols=rows)

@@ -159,11 +159,6 @@ def _spec_from_json(path: Path) -> ModelSpec:
     if unknown:
         raise CheckpointError(f"{path} has unknown spec fields {unknown}")
     fields_ = dict(data["spec"])
-    if fields_.get("num_experts"):
-        raise CheckpointError(
-            f"{path}: mixture-of-experts torch_dist checkpoints (num_experts="
-            f"{fields_['num_experts']}) are not supported yet; serve the Hugging Face checkpoint"
-        )
     fields_["moe_dense_layers"] = tuple(fields_.get("moe_dense_layers") or ())
     return ModelSpec(**fields_)
 
@@ -213,7 +208,10 @@ def spec_from_megatron_args(args: dict, *, vocab_size: int | None = None) -> Mod
 
     problems = []
     if get("num_experts"):
-        problems.append(f"mixture-of-experts (num_experts={args['num_experts']})")
+        problems.append(
+            f"mixture-of-experts trainer args (num_experts={args['num_experts']}): only MoE "
+            "checkpoints teacherq writes (with teacherq_spec.json) load"
+        )
     if get("position_embedding_type", "rope") != "rope":
         problems.append(f"position_embedding_type={args['position_embedding_type']!r}")
     if get("normalization", "RMSNorm") != "RMSNorm":
@@ -352,11 +350,6 @@ def save_megatron_checkpoint(
     spec = spec or getattr(model, "teacherq_spec", None)
     if spec is None:
         raise ValueError("save_megatron_checkpoint needs the model's spec (pass spec=)")
-    if spec.is_moe:
-        raise CheckpointError(
-            f"{spec.family}: torch_dist checkpoints of mixture-of-experts models are not "
-            "supported yet; serve the Hugging Face checkpoint instead"
-        )
     root = Path(path)
     ckpt_dir = root / step_dir_name(RELEASE if iteration is None else iteration)
     rank = dist.get_rank()

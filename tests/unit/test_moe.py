@@ -161,6 +161,110 @@ def test_expert_gemm_equals_a_per_expert_reference():
     torch.testing.assert_close(swiglu_experts(x, fc1, fc2, counts), want2)
 
 
+def test_grouped_gemm_call_agrees_with_the_loop():
+    """The grouped GEMM as moe_gemm calls it (weights transposed, int32 end offsets), run where
+    this torch has it on the CPU: the convention the CUDA path relies on."""
+    from consumer import moe_gemm
+
+    fn = moe_gemm._grouped_mm_fn()
+    if fn is None:
+        pytest.skip("this torch has no grouped GEMM")
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.tensor([16, 0, 24, 8])
+    x = torch.randn(48, 32, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(4, 16, 32, generator=gen, dtype=torch.bfloat16)
+    try:
+        got = moe_gemm._grouped(fn, x, w, counts)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"no grouped GEMM on the CPU here: {exc}")
+    want = moe_gemm._looped(x, w, counts)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+
+
+def _fused_copy(src: str, dst) -> None:
+    """The checkpoint at `src` with each sparse layer's experts stored fused, as transformers 5
+    holds them in memory: experts.gate_up_proj [E, 2f, h] and experts.down_proj [E, h, f]."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{src}/model.safetensors")
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.(.*)", name)
+        hit = re.match(r"experts\.(\d+)\.(\w+)\.weight", m.group(2)) if m else None
+        if hit:
+            experts.setdefault(m.group(1), {})[(int(hit.group(1)), hit.group(2))] = t
+        elif m:
+            out[m.group(1) + "mlp." + m.group(2)] = t
+        else:
+            out[name] = t
+    for layer, by in experts.items():
+        n = 1 + max(e for e, _ in by)
+        gate, up, down = (
+            ("w1", "w3", "w2") if (0, "w1") in by else ("gate_proj", "up_proj", "down_proj")
+        )
+        out[layer + "mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by[(e, gate)], by[(e, up)]]) for e in range(n)]
+        )
+        out[layer + "mlp.experts.down_proj"] = torch.stack([by[(e, down)] for e in range(n)])
+    dst.mkdir()
+    shutil.copy(f"{src}/config.json", dst / "config.json")
+    save_file(out, str(dst / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_fused_expert_layout_reads_the_same_shards(name, moe_checkpoints, tmp_path):
+    """Fused and per-expert storage give every rank of tp2 x ep2 and tp1 x ep2 the same
+    shards."""
+    from consumer.checkpoints import HfCheckpoint, validate_hf_checkpoint
+    from consumer.checkpoints.hf import hf_shard_readers
+    from consumer.parallel import ParallelLayout
+
+    fused = tmp_path / "fused"
+    _fused_copy(moe_checkpoints[name], fused)
+    spec = validate_hf_checkpoint(fused, tp=2, ep=2)
+    assert spec == validate_hf_checkpoint(moe_checkpoints[name])
+    for tp, rank in [(2, 0), (2, 1), (1, 1)]:
+        layout = ParallelLayout(
+            world_size=2, rank=rank, tp=tp, pp=1, dp=1, tp_rank=rank % tp, pp_rank=0,
+            dp_rank=0, tp_group=None, leader_rank=0, ep=2,
+        )  # fmt: skip
+        shards = []
+        for path in (moe_checkpoints[name], fused):
+            with HfCheckpoint(path) as ckpt:
+                readers = hf_shard_readers(spec, layout, ckpt.shapes)
+                shards.append({k: read(ckpt) for k, read in readers.items()})
+        assert shards[0].keys() == shards[1].keys()
+        for key in shards[0]:
+            torch.testing.assert_close(shards[1][key], shards[0][key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_make_checkpoint_script_writes_moe_families(family, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from consumer.checkpoints import validate_hf_checkpoint
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "make_checkpoint.py"
+    module_spec = importlib.util.spec_from_file_location("make_checkpoint", path)
+    script = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(script)
+    out = tmp_path / family
+    argv = ["--family", family, "--out", str(out), "--experts", "8", "--top-k", "3"]
+    assert script.main([*argv, "--norm-topk", "--shared-ffn", "64"]) == 0
+    spec = validate_hf_checkpoint(out, tp=2, ep=4)
+    assert (spec.family, spec.num_experts, spec.moe_top_k, spec.moe_norm_topk) == (
+        family,
+        8,
+        3,
+        True,
+    )
+    assert spec.moe_shared_ffn_hidden_size == (64 if family == "qwen2_moe" else 0)
+
+
 # --------------------------------------------------------------------------------------------
 # validation
 
@@ -213,9 +317,65 @@ def test_unsupported_moe_families_are_still_refused():
         )
 
 
-def test_moe_torch_dist_is_refused_in_one_line(layout, moe_checkpoints, tmp_path):
-    from consumer.checkpoints import load_hf_checkpoint, save_megatron_checkpoint
+def _torch_dist_worker(rank, world_size, tp, ep, roots, out_root, batches):
+    from consumer import cpu_compat
+    from consumer.checkpoints import load_megatron_checkpoint, save_megatron_checkpoint
+    from consumer.parallel import init_parallel
+    from consumer.scoring import Scorer
 
-    model, spec = load_hf_checkpoint(moe_checkpoints["mixtral"], layout)
-    with pytest.raises(CheckpointError, match="mixture-of-experts models are not supported yet"):
-        save_megatron_checkpoint(model, tmp_path / "ckpt", spec=spec)
+    cpu_compat.apply()
+    layout = init_parallel(tp=tp, pp=1, ep=ep)
+    out = {}
+    for name, root in roots.items():
+        model, spec = load_megatron_checkpoint(root, layout)
+        scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+        out[name] = [scorer.score(batch_from_jobs(jobs)) for jobs in batches]
+        save_megatron_checkpoint(model, f"{out_root}/{name}")
+    return out if layout.is_leader else None
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 2)], ids=["ep2", "tp2xep2"])
+def test_torch_dist_moe_reloads_at_any_layout(
+    tp, ep, layout, moe_checkpoints, tp1_scores, tmp_path
+):
+    """Saved at TP=1, loaded at tp x ep (each rank reads its experts) and saved there, then
+    loaded at TP=1 again: the same outputs all the way."""
+    from consumer.checkpoints import (
+        load_hf_checkpoint,
+        load_megatron_checkpoint,
+        save_megatron_checkpoint,
+    )
+    from consumer.scoring import Scorer
+
+    roots = {}
+    for name, path in moe_checkpoints.items():
+        model, spec = load_hf_checkpoint(path, layout)
+        save_megatron_checkpoint(model, tmp_path / "tp1" / name, spec=spec)
+        roots[name] = str(tmp_path / "tp1" / name)
+    out_root = str(tmp_path / "wide")
+    scored = run_gloo(max(tp, ep), _torch_dist_worker, tp, ep, roots, out_root, _batches(),
+                      timeout=300)[0]  # fmt: skip
+    for name in moe_checkpoints:
+        model, spec = load_megatron_checkpoint(f"{out_root}/{name}", layout)
+        assert spec.num_experts == 4
+        scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+        back = [scorer.score(batch_from_jobs(jobs)) for jobs in _batches()]
+        for run in (scored[name], back):
+            for got_batch, want_batch in zip(run, tp1_scores[name], strict=True):
+                for got, want in zip(got_batch, want_batch, strict=True):
+                    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+                    np.testing.assert_array_equal(
+                        got["sampled_token_ids"], want["sampled_token_ids"]
+                    )
+
+
+def test_layout_degrees():
+    from consumer.parallel import LayoutError, check_layout
+
+    assert check_layout(world_size=8, tp=2, pp=1, ep=4) == 2  # replicas of max(tp, ep) ranks
+    assert check_layout(world_size=8, tp=4, pp=1, ep=2) == 2
+    assert check_layout(world_size=8, tp=2, pp=1) == 4  # dense: unchanged
+    with pytest.raises(LayoutError, match="ep=3 and tensor parallelism tp=2"):
+        check_layout(world_size=6, tp=2, pp=1, ep=3)
+    with pytest.raises(LayoutError, match=r"not a multiple of max\(tp, ep\)\*pp = 4\*1"):
+        check_layout(world_size=6, tp=1, pp=1, ep=4)

@@ -158,6 +158,20 @@ def test_torch_dist_checkpoint_loads_by_stage(checkpoints, pp1, layout, tmp_path
         _compare(results[0]["outputs"], pp1["qwen2_tied"], checkpoints["qwen2_tied"], _requests())
 
 
+def test_moe_torch_dist_checkpoint_loads_by_stage(hf_checkpoint, layout, tmp_path) -> None:
+    # MoE torch_dist checkpoints key each layer by its index: a stage loads its layers' keys.
+    from consumer.checkpoints import load_hf_checkpoint, save_megatron_checkpoint
+
+    path = hf_checkpoint(
+        "qwen3_moe", "pp-qwen3-moe", seed=33, vocab_size=VOCAB, num_layers=3, num_experts=4
+    )
+    model, spec = load_hf_checkpoint(path, layout)
+    save_megatron_checkpoint(model, tmp_path / "mg", spec=spec)
+    [want] = run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=120)
+    results = run_gloo(2, _score_worker, 1, 2, str(tmp_path / "mg"), 0, timeout=240)
+    _compare(results[0]["outputs"], want["outputs"], path, _requests())
+
+
 def test_one_microbatch_and_many_agree(checkpoints, pp1) -> None:
     # One micro-batch at a time (no overlap) and more micro-batches than documents allow.
     path = str(checkpoints["llama"])
