@@ -79,11 +79,12 @@ def _score_worker(
 
     scorer = _scorer(tp, pp, path, microbatches, ep)
     layout = scorer.layout
-    assert layout.replica_size * pp == world and layout.leader_rank == 0
-    assert layout.pp_rank == rank // layout.replica_size and layout.tp_rank == rank % tp
+    span = layout.replica_size * pp  # replicas of consecutive ranks, stage by stage
+    assert layout.leader_rank == rank - rank % span and layout.dp == world // span
+    assert layout.pp_rank == rank % span // layout.replica_size and layout.tp_rank == rank % tp
     batch = batch_from_jobs(_jobs(_requests()))
     outputs, phases = score_agreed(scorer, batch, FaultInjector(None, rank=rank))
-    assert len(phases) == world
+    assert len(phases) == span  # every rank of the replica
     layers = len(scorer.model.decoder.layers)
     return {"outputs": outputs if layout.is_leader else None, "layers": layers}
 
@@ -125,6 +126,14 @@ def test_pp2_matches_transformers_and_pp1(case, checkpoints, pp1) -> None:
     results = run_gloo(2, _score_worker, 1, 2, str(checkpoints[case]), 0, timeout=180)
     assert [r["layers"] for r in results] == [2, 1]  # 3 layers: the first stage takes the extra
     _compare(results[0]["outputs"], pp1[case], checkpoints[case], _requests())
+
+
+def test_two_pipeline_replicas_in_one_launch(checkpoints, pp1) -> None:
+    # dp = 2 x pp = 2: ranks 0-1 and 2-3 are two replicas, each leader gets every output.
+    results = run_gloo(4, _score_worker, 1, 2, str(checkpoints["llama"]), 0, timeout=240)
+    assert results[1]["outputs"] is None and results[3]["outputs"] is None
+    for leader in (0, 2):
+        _compare(results[leader]["outputs"], pp1["llama"], checkpoints["llama"], _requests())
 
 
 def test_tp2_pp2_matches_transformers_and_pp1(checkpoints, pp1) -> None:
