@@ -2,14 +2,17 @@
 
 A failure on any rank (a bad batch, an injected fault, an error in the model) is reported
 to the whole group with one tiny all-reduce, and raised as `GroupFailure` on every rank
-alike: no rank is left waiting in a collective for a peer that gave up. The leader
+alike: no rank is left waiting in a collective for a peer that gave up. A peer that is gone
+(killed: the transfer to it fails) raises `ReplicaBroken` instead, which ends the process
+without blaming the batch's jobs. The leader
 (consumer/leader.py) and the followers (consumer/follower.py) call the same steps in the
 same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -30,12 +33,29 @@ class GroupFailure(RuntimeError):
     """Some rank of the TP group failed on a batch; every rank knows."""
 
 
+class ReplicaBroken(BaseException):
+    """A peer rank of this replica is gone: a transfer between the replica's pipeline stages
+    failed (its connection reset). The process group cannot recover, and the batch is not to
+    blame, so this is not an `Exception` a batch failure handler takes for the jobs' fault: it
+    ends the process, whose claimed entries go to another consumer (as after a kill)."""
+
+
+@contextmanager
+def peers_alive(what: str) -> Iterator[None]:
+    """Turn a failed transfer inside the block into `ReplicaBroken` (`what` names it)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise ReplicaBroken(f"{what} failed, a peer rank is gone: {exc}") from exc
+
+
 def agree(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """True only if every rank of the group is ok (one tiny all-reduce)."""
     if group is None:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    with peers_alive("the replica's agreement"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -121,7 +141,8 @@ def gather_phases(
         return [clock.offsets(PHASES)]
     mine = torch.tensor(clock.offsets(PHASES), dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
+    with peers_alive("gathering phase times"):
+        dist.all_gather(out, mine, group=group)
     return [t.tolist() for t in out]
 
 

@@ -17,7 +17,7 @@ import redis
 import structlog
 import torch.distributed as dist
 
-from consumer.agreement import PHASES, Scored, describe_error, launch_agreed
+from consumer.agreement import PHASES, Scored, describe_error, launch_agreed, peers_alive
 from consumer.batching import BatchTensors, batch_from_jobs, broadcast_batch
 from consumer.failures import DeadLetters
 from consumer.faults import FaultInjector
@@ -130,7 +130,8 @@ class BatchRunner:
             packed = b.elapsed()
             b.child("pack", start_s=0.0, end_s=packed)
             b.set(tokens=batch.num_tokens)
-            broadcast_batch(batch, src=self.loaded.scorer.layout.leader_rank, group=self._group)
+            with peers_alive("broadcasting the batch"):
+                broadcast_batch(batch, src=self.loaded.scorer.layout.leader_rank, group=self._group)
             sent = b.elapsed()
             b.child("broadcast", start_s=packed, end_s=sent)
             self.faults.reached("compute")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from collections.abc import Callable
 import redis
 import structlog
 
+from consumer.agreement import ReplicaBroken
 from consumer.batch_runner import BatchRunner
 from consumer.batching import broadcast_batch
 from consumer.claims import Claimer
@@ -227,7 +229,8 @@ class Leader:
             fetcher.close()
             self.writer.close()
             layout = self.loaded.scorer.layout
-            broadcast_batch(None, src=layout.leader_rank, group=layout.replica_group)
+            if not isinstance(sys.exc_info()[1], ReplicaBroken):  # no one left to tell
+                broadcast_batch(None, src=layout.leader_rank, group=layout.replica_group)
             self.heartbeat.stop("stopped")
             self.metrics.tick("stopped")
             self.metrics.close()

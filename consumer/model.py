@@ -9,6 +9,7 @@ so no [tokens, vocab] logits tensor is ever materialised.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +144,24 @@ class TeacherGPTModel(GPTModel):
             self.register_buffer("_rope_sin", angles.sin().contiguous(), persistent=False)
         return self._rope_cos, self._rope_sin
 
+    stage_first_layer = 0  # global index of this pipeline stage's first layer
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's sharded state dict; on a later pipeline stage, checkpoint keys that name
+        a layer (`decoder.layers.<i>.`, per-layer keys) name its global index."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.stage_first_layer:
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+            head = f"{prefix}decoder.layers."
+            for item in nested_values(out):
+                key = getattr(item, "key", None)
+                if isinstance(key, str) and key.startswith(head):
+                    index, dot, rest = key[len(head) :].partition(".")
+                    if index.isdigit() and dot:
+                        item.key = f"{head}{self.stage_first_layer + int(index)}.{rest}"
+        return out
+
     def output_weight_shard(self) -> torch.Tensor:
         """This rank's rows of the output projection, [padded_vocab / tp, hidden]."""
         if self.share_embeddings_and_output_weights:
@@ -173,12 +192,32 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """The layers (global indices) pipeline stage `pp_rank` of `pp` holds: consecutive slices,
+    the first `num_layers % pp` stages one layer more than the others (32 layers on pp=3:
+    11, 11, 10). Raises ValueError when a stage would hold none."""
+    if pp > num_layers:
+        raise ValueError(
+            f"pipeline parallelism pp={pp} exceeds the model's {num_layers} layers; use pp <= "
+            f"{num_layers} (TEACHERQ_PARALLEL__PP)"
+        )
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
 def transformer_config(
-    spec: ModelSpec, *, tp: int, params_dtype: torch.dtype, init_weights: bool = True
+    spec: ModelSpec,
+    *,
+    tp: int,
+    params_dtype: torch.dtype,
+    init_weights: bool = True,
+    num_layers: int | None = None,
 ) -> TransformerConfig:
-    """The megatron TransformerConfig for a spec, teacher-only (no dropout, no grads needed)."""
+    """The megatron TransformerConfig for a spec, teacher-only (no dropout, no grads needed);
+    `num_layers`: a pipeline stage's share of the layers (default: all of them)."""
     return TransformerConfig(
-        num_layers=spec.num_layers,
+        num_layers=spec.num_layers if num_layers is None else num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_kv_heads,
@@ -223,21 +262,38 @@ def build_model(
     initialises the full master weight on CPU and slices it). Checkpoint loaders pass
     `init_weights=False`: the parameters are then zero-filled instead of drawn, which for a
     multi-billion-parameter model saves minutes of CPU time before every weight is overwritten.
+
+    At pp > 1 the model holds only this stage's layers (`stage_layers`, numbered from 0 in it),
+    the embedding on the first stage and the final norm and output weight on the last; random
+    weights are then this stage's part of the whole model drawn as at pp = 1, so a seed gives
+    one teacher whatever the layout.
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if layout.pp > 1 and init_weights:
+        whole_layout = dataclasses.replace(layout, pp=1, pp_rank=0)
+        whole = build_model(spec, whole_layout, params_dtype=params_dtype, seed=seed)
+        stage = build_model(spec, layout, params_dtype=params_dtype, init_weights=False)
+        _copy_stage(whole, stage, stage_layers(spec.num_layers, layout.pp, layout.pp_rank))
+        return stage.to(device=device)
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
+    layers = stage_layers(spec.num_layers, layout.pp, layout.pp_rank)
     config = transformer_config(
-        spec, tp=layout.tp, params_dtype=params_dtype, init_weights=init_weights
+        spec,
+        tp=layout.tp,
+        params_dtype=params_dtype,
+        init_weights=init_weights,
+        num_layers=len(layers),
     )
     if spec.is_moe:  # dense and sparse layers differ: checkpoint keys per layer, not stacked
         config.hetereogenous_dist_checkpoint = True  # (megatron's spelling)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP
-    block_spec = _moe_block_spec(spec, layout, layer_spec) if spec.is_moe else layer_spec
+    block_spec = _moe_block_spec(spec, layout, layer_spec, layers) if spec.is_moe else layer_spec
     rope_kwargs = _rope_kwargs(spec)
     with torch.device("cpu"):
         model = TeacherGPTModel(
@@ -248,8 +304,8 @@ def build_model(
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
             share_embeddings_and_output_weights=spec.tie_embeddings,
-            pre_process=True,
-            post_process=True,
+            pre_process=layout.is_first_stage,
+            post_process=layout.is_last_stage,
             **rope_kwargs,
         )
     model.requires_grad_(False)
@@ -263,11 +319,49 @@ def build_model(
     if not init_weights:  # defined contents (zeros) for anything a loader leaves, e.g. padding
         for p in model.parameters():
             p.zero_()
+    if layout.pp > 1:
+        _stage_checkpoint_offsets(model, layers, spec.num_layers)
     return model.to(device=device).eval()
 
 
-def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec):
-    """Per-layer specs: the sparse layers get a TeacherMoE in their MLP slot."""
+@torch.no_grad()
+def _copy_stage(whole: TeacherGPTModel, stage: TeacherGPTModel, layers: range) -> None:
+    """Copy a stage's parameters out of the whole model (pp = 1, same TP shard)."""
+    full = dict(whole.named_parameters())
+    for name, param in stage.named_parameters():
+        source = name
+        if name.startswith("decoder.layers."):
+            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            source = f"decoder.layers.{layers.start + int(local)}.{rest}"
+        elif name == "output_layer.weight" and name not in full:  # tied: the embedding
+            source = "embedding.word_embeddings.weight"
+        param.copy_(full[source])
+
+
+def _stage_checkpoint_offsets(model: TeacherGPTModel, layers: range, total: int) -> None:
+    """Make a stage's layers describe themselves in torch_dist checkpoints as layers
+    `layers` of `total` (megatron sees each stage as a whole model, so it would say 0 .. n - 1
+    of n): each layer's sharded state dict gets its place on the stacked layer axis, and the
+    stage reads exactly its slice of every stacked tensor. Checkpoints keyed per layer
+    (mixture-of-experts models) get the layer's global index in the key instead
+    (`TeacherGPTModel.sharded_state_dict`)."""
+    model.stage_first_layer = layers.start
+    for local, layer in enumerate(model.decoder.layers):
+        method = layer.sharded_state_dict
+
+        def shifted(prefix="", sharded_offsets=(), metadata=None, _method=method, _local=local):
+            moved = tuple(
+                (axis, layers.start + _local, total) if axis == 0 else (axis, at, size)
+                for axis, at, size in sharded_offsets
+            )
+            return _method(prefix, moved, metadata)
+
+        layer.sharded_state_dict = shifted
+
+
+def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices: range):
+    """Per-layer specs of the layers `indices`: the sparse ones get a TeacherMoE in their MLP
+    slot."""
     import copy
 
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -282,10 +376,10 @@ def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec):
         size=layout.replica_size,
         rank=layout.replica_rank,
         ep=layout.ep,
-        group=layout.replica_group if layout.replica_size > 1 else None,
+        group=layout.stage_group if layout.replica_size > 1 else None,
     )
     layers = []
-    for i in range(spec.num_layers):
+    for i in indices:
         layer = copy.copy(layer_spec)
         if spec.is_sparse_layer(i):
             layer.submodules = copy.copy(layer_spec.submodules)

@@ -1,8 +1,14 @@
 """The consumer's parallel layout: the only module that calls megatron.core.parallel_state.
 
 A consumer process group of `world` ranks is split into data-parallel replicas of
-`max(tp, ep) * pp` ranks each. Within a replica the leader (its first rank) is the only rank
-that talks to Redis; it broadcasts each batch to its peers (the replica group).
+`max(tp, ep) * pp` consecutive ranks each. Within a replica the leader (its first rank) is the
+only rank that talks to Redis; it broadcasts each batch to its peers (the replica group).
+
+With pipeline parallelism (pp > 1) a replica is pp stages of W = max(tp, ep) consecutive ranks
+each (stage s: ranks leader + s * W .. leader + (s + 1) * W - 1); each stage holds a slice of the
+layers, and hidden states travel point to point from a rank to the rank W above it (the same
+position in the next stage). megatron-core sees every stage as a model of its own (its pipeline
+degree stays 1): its TP groups are the same consecutive blocks of `tp` ranks.
 
 Attention and the head run in tensor-parallel groups of `tp` consecutive ranks. A
 mixture-of-experts teacher splits its experts `ep` ways over the replica's W = max(tp, ep)
@@ -39,23 +45,57 @@ class ParallelLayout:
     tp_group: dist.ProcessGroup | None
     leader_rank: int  # global rank of this replica's leader
     ep: int = 1  # expert-parallel degree (mixture-of-experts teachers)
-    wide_group: dist.ProcessGroup | None = None  # the replica's ranks, only when ep > tp
+    wide_group: dist.ProcessGroup | None = None  # the stage's ranks, only when ep > tp
+    pipe_group: dist.ProcessGroup | None = None  # every rank of the replica, only when pp > 1
 
     @property
     def replica_size(self) -> int:
-        """Ranks per replica (pipeline stages aside): max(tp, ep)."""
+        """Ranks per pipeline stage (the whole replica at pp = 1): max(tp, ep)."""
         return max(self.tp, self.ep)
 
     @property
     def replica_rank(self) -> int:
-        """This rank's index within its replica (the leader is 0)."""
-        return self.rank - self.leader_rank
+        """This rank's index within its pipeline stage (within the replica at pp = 1; the
+        leader is 0)."""
+        return (self.rank - self.leader_rank) % self.replica_size
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's pipeline stage (the replica at pp = 1): experts split over
+        them (None for a stage of one rank)."""
+        return self.wide_group if self.ep > self.tp else self.tp_group
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """Every rank of this replica: batches, commands and agreement travel here (None for
-        a replica of one rank)."""
-        return self.wide_group if self.ep > self.tp else self.tp_group
+        """Every rank of this replica, all stages: batches, commands and agreement travel here
+        (None for a replica of one rank)."""
+        return self.pipe_group if self.pp > 1 else self.stage_group
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank embeds the tokens (pipeline stage 0)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the final norm and the head (the last pipeline stage)."""
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        """Global rank this one receives hidden states from (None on the first stage)."""
+        return None if self.is_first_stage else self.rank - self.replica_size
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        """Global rank this one sends hidden states to (None on the last stage)."""
+        return None if self.is_last_stage else self.rank + self.replica_size
+
+    @property
+    def writer_rank(self) -> int:
+        """Global rank whose head outputs reach the leader: the last stage's first rank (the
+        leader itself at pp = 1)."""
+        return self.leader_rank + (self.pp - 1) * self.replica_size
 
     @property
     def is_leader(self) -> bool:
@@ -76,11 +116,6 @@ def check_layout(*, world_size: int, tp: int, pp: int, ep: int = 1) -> int:
         raise LayoutError(
             f"expert parallelism ep={ep} and tensor parallelism tp={tp}: the smaller must "
             "divide the larger (TEACHERQ_PARALLEL__EP, TEACHERQ_PARALLEL__TP)"
-        )
-    if pp != 1:
-        raise LayoutError(
-            f"pipeline parallelism (pp={pp}) is not supported by this consumer yet; use pp=1 "
-            "and tensor parallelism (TEACHERQ_PARALLEL__TP) to spread a model over GPUs"
         )
     width = max(tp, ep)
     if world_size % (width * pp):
@@ -116,9 +151,8 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, backend: str | None = None) 
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-        )
+        # megatron sees each pipeline stage as a model of its own (see the module doc)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -132,6 +166,16 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, backend: str | None = None) 
                 wide_group = group
         leader = rank - rank % ep
         dp_rank = rank // ep
+    pipe_group = None
+    if pp > 1:  # replicas of pp stages of max(tp, ep) consecutive ranks each
+        span = max(tp, ep) * pp
+        for first in range(0, world_size, span):  # every rank creates every group, in order
+            group = dist.new_group(list(range(first, first + span)))
+            if first <= rank < first + span:
+                pipe_group = group
+        leader = rank - rank % span
+        pp_rank = (rank - leader) // max(tp, ep)
+        dp_rank = rank // span
     return ParallelLayout(
         world_size=world_size,
         rank=rank,
@@ -145,6 +189,7 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, backend: str | None = None) 
         leader_rank=leader,
         ep=ep,
         wide_group=wide_group,
+        pipe_group=pipe_group,
     )
 
 

@@ -182,10 +182,15 @@ class ModelSettings(_Section):
 
 class ParallelSettings(_Section):
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree (ranks per replica; max(tp, ep) with expert parallelism)."""
+    """Tensor-parallel degree (ranks per TP group; a replica is max(tp, ep) x pp ranks)."""
 
     pp: int = Field(default=1, ge=1)
-    """Pipeline-parallel degree (only 1 is supported)."""
+    """Pipeline-parallel degree: a replica spans pp stages of max(tp, ep) ranks, each holding
+    a consecutive slice of the layers (the first num_layers % pp stages one more)."""
+
+    microbatches: int = Field(default=0, ge=0)
+    """At pp > 1, micro-batches each batch is cut into (at document boundaries) so that the
+    stages work on different ones at once; 0: pp + 1, the fewest with no stage idle."""
 
     ep: int = Field(default=1, ge=1)
     """Expert-parallel degree for mixture-of-experts teachers: experts split `ep` ways over a
@@ -378,10 +383,6 @@ class Settings(BaseSettings):
                 f"queue.max_memory_fraction={self.queue.max_memory_fraction} must be below "
                 f"consumer.memory_pause_fraction={self.consumer.memory_pause_fraction}: "
                 "results need room above what submit may fill"
-            )
-        if self.parallel.pp != 1:
-            raise ValueError(
-                f"parallel.pp={self.parallel.pp}: pipeline parallelism is not supported; use pp=1"
             )
         if not self.storage.url:
             # A value derived from another section: set once here, while the tree is built

@@ -36,7 +36,7 @@ from consumer.checkpoints.validate import (
     inventory_problems,
     raise_problems,
 )
-from consumer.model import ModelSpec, TeacherGPTModel, build_model
+from consumer.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
 from consumer.parallel import ParallelLayout
 
 CONFIG_NAME = "config.json"
@@ -560,14 +560,19 @@ def hf_shard_readers(
     tp, rank = layout.tp, layout.tp_rank
     ffn = _block(spec.ffn_hidden_size, tp, rank)
     attn_cols = _block(spec.num_attention_heads * spec.kv_channels, tp, rank)
-    readers: dict[str, Reader] = {
-        "embedding.word_embeddings.weight": _vocab_rows(spec, "model.embed_tokens.weight", layout),
-        "decoder.final_layernorm.weight": _whole("model.norm.weight"),
-    }
-    if not spec.tie_embeddings:
-        readers["output_layer.weight"] = _vocab_rows(spec, "lm_head.weight", layout)
-    for i in range(spec.num_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+    readers: dict[str, Reader] = {}
+    if layout.is_first_stage:
+        embedding = _vocab_rows(spec, "model.embed_tokens.weight", layout)
+        readers["embedding.word_embeddings.weight"] = embedding
+    if layout.is_last_stage:
+        readers["decoder.final_layernorm.weight"] = _whole("model.norm.weight")
+        if not spec.tie_embeddings:
+            readers["output_layer.weight"] = _vocab_rows(spec, "lm_head.weight", layout)
+        elif not layout.is_first_stage:  # tied, on its own stage: read the embedding here
+            readers["output_layer.weight"] = _vocab_rows(spec, "model.embed_tokens.weight", layout)
+    # A pipeline stage reads only its layers; megatron numbers them from 0 within the stage.
+    for local, i in enumerate(stage_layers(spec.num_layers, layout.pp, layout.pp_rank)):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
         attn = hf + "self_attn."
         readers[mg + "input_layernorm.weight"] = _whole(hf + "input_layernorm.weight")
         readers[mg + "self_attention.linear_qkv.weight"] = _fused_qkv(spec, attn, "weight", layout)

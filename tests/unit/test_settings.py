@@ -51,7 +51,7 @@ def test_errors_name_the_field_and_allowed_values(monkeypatch: pytest.MonkeyPatc
     [
         ("TEACHERQ_REDIS__URL", "http://x", "redis://"),
         ("TEACHERQ_QUEUE__NAME", "a{b}", "braces"),
-        ("TEACHERQ_PARALLEL__PP", "2", "pipeline parallelism"),
+        ("TEACHERQ_PARALLEL__MICROBATCHES", "-1", "greater than or equal to 0"),
         ("TEACHERQ_CONSUMER__TRAIN", "true", "teacher-only"),
         ("TEACHERQ_QUEUE__NOPE", "1", "Extra inputs are not permitted"),
     ],
