@@ -124,10 +124,16 @@ class Control:
         if problem is None and not self._swap(path, generation):
             problem = self._load_error or "load failed"
         if problem is not None:
-            weights.fail_update(self.r, self.queue, generation=generation,
-                                replica=self.consumer, reason=problem)  # fmt: skip
-            log.error("weights.update_failed", path=path, generation=generation, error=problem,
-                      serving=self.loaded.version)  # fmt: skip
+            weights.fail_update(
+                self.r, self.queue, generation=generation, replica=self.consumer, reason=problem
+            )
+            log.error(
+                "weights.update_failed",
+                path=path,
+                generation=generation,
+                error=problem,
+                serving=self.loaded.version,
+            )
             return
         self.updated_to = generation
         served = weights.current(self.r, self.queue)
@@ -151,14 +157,16 @@ class Control:
         active weights (those before it, or the configured model)."""
         served = weights.current(self.r, self.queue)
         path = served.active_path or ""
-        log.warning("weights.revert", failed_generation=self.loaded.generation,
-                    path=path or "(configured model)")  # fmt: skip
+        log.warning(
+            "weights.revert",
+            failed_generation=self.loaded.generation,
+            path=path or "(configured model)",
+        )
         if self._swap(path, served.active_generation):
             self.updated_to = None
             self.publish_model()
         else:
-            log.error("weights.revert_failed", error=self._load_error,
-                      serving=self.loaded.version)  # fmt: skip
+            log.error("weights.revert_failed", error=self._load_error, serving=self.loaded.version)
 
     def _swap(self, path: str, generation: int) -> bool:
         """Drain, have every rank load `path` ("" = the configured model) and agree; True if

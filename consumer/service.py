@@ -139,9 +139,13 @@ def start_model(
     loaded, reason = load_agreed(load, path, group=group, device=device)
     if loaded is not None:
         if choice is not None:
-            log.info("model.selected", path=path or settings.model.path or "(tiny preset)",
-                     source=choice.source, generation=choice.generation,
-                     model_version=loaded[1])  # fmt: skip
+            log.info(
+                "model.selected",
+                path=path or settings.model.path or "(tiny preset)",
+                source=choice.source,
+                generation=choice.generation,
+                model_version=loaded[1],
+            )
             return loaded[0], loaded[1], choice.generation
         return loaded[0], loaded[1], 0
     if not path:  # the configured model itself: a configuration error
@@ -151,20 +155,33 @@ def start_model(
     if choice is not None and client is not None:
         served = weights.current(client, queue)
         if choice.trying_update:
-            weights.fail_update(client, queue, generation=choice.generation,
-                                replica=f"{socket.gethostname()}-{os.getpid()} (starting)",
-                                reason=reason or "load failed")  # fmt: skip
+            weights.fail_update(
+                client,
+                queue,
+                generation=choice.generation,
+                replica=f"{socket.gethostname()}-{os.getpid()} (starting)",
+                reason=reason or "load failed",
+            )
             fallback = served.active_path or ""
             generation = served.active_generation
-        log.warning("model.fallback", path=path, error=reason,
-                    using=fallback or settings.model.path or "(tiny preset)")  # fmt: skip
+        log.warning(
+            "model.fallback",
+            path=path,
+            error=reason,
+            using=fallback or settings.model.path or "(tiny preset)",
+        )
     fallback = broadcast_text(fallback, src=layout.leader_rank, group=group)
     if fallback == path:
         fallback = ""
     scorer, version = build_scorer(settings, layout, fallback or None)
-    log.info("model.selected", path=fallback or settings.model.path or "(tiny preset)",
-             source="update-weights" if fallback else "settings", generation=generation,
-             model_version=version, note=f"queue weights {path!r} failed to load")  # fmt: skip
+    log.info(
+        "model.selected",
+        path=fallback or settings.model.path or "(tiny preset)",
+        source="update-weights" if fallback else "settings",
+        generation=generation,
+        model_version=version,
+        note=f"queue weights {path!r} failed to load",
+    )
     return scorer, version, generation
 
 
@@ -239,8 +256,13 @@ def run(settings: Settings) -> int:
         )
         if choice.trying_update and generation == choice.generation:
             # This replica started on the running update's weights: count it as applied.
-            weights.ack_update(client, settings.queue.name, replica=leader.name,
-                               generation=generation, live_replicas=[leader.name])  # fmt: skip
+            weights.ack_update(
+                client,
+                settings.queue.name,
+                replica=leader.name,
+                generation=generation,
+                live_replicas=[leader.name],
+            )
         from shared.trace_store import install_sink
 
         sink = install_sink(
