@@ -307,6 +307,19 @@ def _versions() -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def padded_tensors(batch: list, device):
+    """HF's input for one padded batch: (ids, attention mask) [B, longest], right-padded."""
+    import torch
+
+    width = max(len(d) for d in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, d in enumerate(batch):
+        ids[i, : len(d)] = torch.as_tensor(d)
+        mask[i, : len(d)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def hf_child(args: argparse.Namespace) -> None:
     """Build the HF model on the device and time (a) and (b) on every workload; print JSON."""
     import torch
@@ -328,15 +341,6 @@ def hf_child(args: argparse.Namespace) -> None:
     weights = torch.cuda.memory_allocated() if cuda else None
     out = {"versions": _versions(), "weights_gib": _gib(weights), "runs": {}}
 
-    def padded(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(d) for d in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, d in enumerate(batch):
-            ids[i, : len(d)] = torch.as_tensor(d)
-            mask[i, : len(d)] = 1
-        return ids.to(device), mask.to(device)
-
     @torch.inference_mode()
     def path_a(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -354,7 +358,7 @@ def hf_child(args: argparse.Namespace) -> None:
                 workload(name, tokens=args.pass_tokens, vocab=cfg["vocab_size"], seed=seed)
             )
             for batch in padded_batches(docs, args.tokens_per_forward):
-                ids, mask = padded(batch)
+                ids, mask = padded_tensors(batch, device)
                 fn(ids, mask)
             return sum(len(d) for d in docs)
 

@@ -46,6 +46,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# HF's padded batches are built as in the dense end-to-end bench.
+from bench.gpu_e2e import padded_batches, padded_tensors
+
 PEAK_FLOPS = 790e12
 TOP_K = 64
 SAMPLES = 8
@@ -176,29 +179,9 @@ def _timed(fn, device: torch.device, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def padded_batches(docs: list[np.ndarray], budget: int) -> list[list[np.ndarray]]:
-    batches: list[list[np.ndarray]] = []
-    for d in sorted(docs, key=len):
-        if batches and (len(batches[-1]) + 1) * len(d) <= budget:
-            batches[-1].append(d)
-        else:
-            batches.append([d])
-    return batches
-
-
-def _padded(batch: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(d) for d in batch)
-    ids = torch.zeros(len(batch), n, dtype=torch.long)
-    mask = torch.zeros(len(batch), n, dtype=torch.long)
-    for i, d in enumerate(batch):
-        ids[i, : len(d)] = torch.as_tensor(d)
-        mask[i, : len(d)] = 1
-    return ids.to(device), mask.to(device)
-
-
 def run_hf_bare(model, docs, args, device) -> float:
     """transformers' forward to the final hidden states only: its ceiling."""
-    batches = [_padded(b, device) for b in padded_batches(docs, args.tokens_per_forward)]
+    batches = [padded_tensors(b, device) for b in padded_batches(docs, args.tokens_per_forward)]
 
     @torch.inference_mode()
     def one_pass() -> None:
@@ -216,7 +199,7 @@ def run_hf(model, docs, args, device) -> tuple[float, list[np.ndarray]]:
     def one_pass() -> None:
         out.clear()
         for batch in batches:
-            ids, mask = _padded(batch, device)
+            ids, mask = padded_tensors(batch, device)
             logits = model(input_ids=ids, attention_mask=mask).logits
             lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             got = lp.gather(-1, ids[:, 1:, None])[..., 0].cpu()

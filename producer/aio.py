@@ -147,9 +147,7 @@ class AsyncTeacherClient:
             for s in spans:
                 end_span(s, exc)
             raise
-        for s, entry in zip(spans, entries, strict=True):
-            s.set(enqueued=entry is not None)
-            end_span(s)
+        protocol.end_submit_spans(spans, entries)
 
     async def _ensure_group(self) -> None:
         """As `Streams.ensure_group`: an existing group is never an error, also while Redis

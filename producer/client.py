@@ -119,9 +119,7 @@ class TeacherClient:
             for s in spans:
                 end_span(s, exc)
             raise
-        for s, entry in zip(spans, entries, strict=True):
-            s.set(enqueued=entry is not None)
-            end_span(s)
+        protocol.end_submit_spans(spans, entries)
 
     def _memory_full(self) -> MemoryInfo | None:
         """Redis's memory figures if above queue.max_memory_fraction of maxmemory, else None."""

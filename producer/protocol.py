@@ -24,7 +24,7 @@ from shared.messages import (
 from shared.results import encode_record
 from shared.settings import Settings
 from shared.streams import StreamReply
-from shared.tracing import Span, start_span
+from shared.tracing import Span, end_span, start_span
 from shared.weights import Served
 
 CANCELLED = "cancelled by the user"
@@ -200,3 +200,11 @@ def submit_span(p: Prepared) -> Span:
     carrier, so every consumer span of the job lies in the same trace."""
     req = p.request
     return start_span("submit", carrier=req.trace or None, job_id=p.job_id, tokens=req.num_tokens)
+
+
+def end_submit_spans(spans: list[Span], entries: list) -> None:
+    """End the `submit` spans of a transaction, each with whether its job was enqueued (a
+    stream entry id) or was already known (None)."""
+    for s, entry in zip(spans, entries, strict=True):
+        s.set(enqueued=entry is not None)
+        end_span(s)

@@ -159,3 +159,16 @@ def wait_for_consumers(settings: Settings, *, count: int, proc=None, timeout: fl
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(ready)} of {count} consumers ready")
         time.sleep(0.1)
+
+
+def wait_consumer_state(client, state: str, timeout: float = 30) -> None:
+    """Block until the queue's one consumer reports `state` in its heartbeat (poll)."""
+
+    def current() -> str:
+        [rec] = client.consumers().values()
+        return rec["state"]
+
+    deadline = time.monotonic() + timeout
+    while current() != state:
+        assert time.monotonic() < deadline, f"state stayed {current()}, wanted {state}"
+        time.sleep(0.1)

@@ -15,6 +15,7 @@ import redis
 from shared.redis_server import connect, ensure_embedded, running_url, stop_embedded
 from shared.settings import RedisSettings
 from tests.conftest import REPO
+from tests.processes import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -91,18 +92,7 @@ def test_demo_runs_end_to_end_twice(tmp_path: Path) -> None:
 
 
 def _cli(cwd: Path, state: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")} | {
-        "PYTHONPATH": str(REPO),
-        "XDG_STATE_HOME": str(state),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "producer.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli(None, *args, env={"XDG_STATE_HOME": str(state)}, cwd=cwd)
 
 
 def test_one_server_per_project_whatever_the_directory(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from producer import TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings
 from shared.weights import UpdateInProgress, request_update
+from tests.conftest import wait_consumer_state
 from tests.integration.test_faults import assert_exactly_once, fast, with_queue
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
@@ -144,31 +145,19 @@ def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_
     assert request_update(client.r, s.queue.name, str(a)).generation == 2
 
 
-def _state(client: TeacherClient) -> str:
-    [rec] = client.consumers().values()
-    return rec["state"]
-
-
-def _wait_state(client: TeacherClient, state: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while _state(client) != state:
-        assert time.monotonic() < deadline, f"state stayed {_state(client)}, wanted {state}"
-        time.sleep(0.1)
-
-
 def test_sleep_and_wake_round_trip(settings, start_consumer, two_checkpoints) -> None:
     _, b = two_checkpoints
     s = fast(settings, sleep_after_idle_s=0.5)
     proc = start_consumer(s)
     client = TeacherClient(s)
-    _wait_state(client, "sleeping")
+    wait_consumer_state(client, "sleeping")
     [res] = client.wait(client.submit([TeacherRequest(input_ids=[5, 6, 7, 8])]), timeout=60)
     ref = tiny_full_log_softmax(np.array([5, 6, 7, 8]))
     np.testing.assert_allclose(res.logprobs, ref[[0, 1, 2], [6, 7, 8]], atol=2e-4)
-    _wait_state(client, "sleeping")
+    wait_consumer_state(client, "sleeping")
     # A weight update received while asleep: reloads, and the consumer stays asleep.
     client.update_weights(str(b), wait=True, timeout=120)
-    _wait_state(client, "sleeping")
+    wait_consumer_state(client, "sleeping")
     [rec] = client.consumers().values()
     assert rec["model_generation"] == 1 and rec["model_version"].startswith("teacher-b@")
     # (a job id of its own; the same content after the update would be a new job too, see

@@ -17,6 +17,7 @@ import pytest
 from producer import TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings
+from tests.conftest import wait_consumer_state
 from tests.integration.test_faults import assert_exactly_once, fast
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs
@@ -57,18 +58,6 @@ def jobs(n: int, seed: int) -> list[TeacherRequest]:
     ]
 
 
-def _state(client: TeacherClient) -> str:
-    [rec] = client.consumers().values()
-    return rec["state"]
-
-
-def _wait_state(client: TeacherClient, state: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while _state(client) != state:
-        assert time.monotonic() < deadline, f"state stayed {_state(client)}, wanted {state}"
-        time.sleep(0.1)
-
-
 def test_two_stages_serve_update_sleep_and_drain(settings, start_consumer, teachers) -> None:
     a, b = teachers
     s = pipelined(fast(settings, batch_max_jobs=6, sleep_after_idle_s=1.0), a)
@@ -83,7 +72,7 @@ def test_two_stages_serve_update_sleep_and_drain(settings, start_consumer, teach
         np.testing.assert_allclose(res.logprobs, hf_token_logprobs(a, req.input_ids), atol=2e-3)
         assert res.sampled_token_ids.shape == (req.num_tokens - 1, 2)
     # Idle: both stages offload; a job wakes them.
-    _wait_state(client, "sleeping")
+    wait_consumer_state(client, "sleeping")
     # A weight update reaches every stage (each loads its own layers of the new teacher).
     client.update_weights(str(b), wait=True, timeout=120)
     wave2 = jobs(6, seed=2)
