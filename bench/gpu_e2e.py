@@ -851,7 +851,8 @@ def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
                         ]
 
                     seed = 1000 * (w + 1) + (kind == "full")
-                    _submit_and_wait(client, calls(seed, 4 * args.tokens_per_forward), 1800)
+                    warm_tokens = args.e2e_warmup_forwards * args.tokens_per_forward
+                    _submit_and_wait(client, calls(seed, warm_tokens), 1800)
                     timed = calls(seed + 500, args.e2e_tokens)
                     t0, t1, results = _submit_and_wait(client, timed, timeout=1800)
                     bad = [r for r in results if r.error]
@@ -1002,6 +1003,13 @@ def main() -> None:
         "--e2e-forwards", type=int, default=24, help="forwards' worth of jobs per (c) window"
     )
     parser.add_argument(
+        "--e2e-warmup-forwards",
+        type=int,
+        default=16,
+        help="forwards' worth of jobs served before each (c) window (new CUDA graph buckets "
+        "are recorded there, as a long-running consumer has them)",
+    )
+    parser.add_argument(
         "--long-docs", default="", help="single documents to score, e.g. 32768,65536"
     )
     parser.add_argument(
@@ -1015,7 +1023,7 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graphs",
         type=int,
-        default=4,
+        default=32,
         help="TEACHERQ_CONSUMER__CUDA_GRAPHS of the consumer (0: eager forwards only)",
     )
     parser.add_argument(

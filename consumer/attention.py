@@ -118,24 +118,47 @@ class VarlenLayout:
     @classmethod
     def of(cls, segments: tuple[tuple[int, int, int, int], ...], device: torch.device):
         """The layout of packed `segments` (contiguous, in row order) on `device`."""
-        q_len = np.array([end - start for start, end, _, _ in segments], dtype=np.int64)
-        ctx_len = np.array([c1 - c0 for _, _, c0, c1 in segments], dtype=np.int64)
-        k_len = q_len + ctx_len
-        cu_q = np.concatenate(([0], np.cumsum(q_len))).astype(np.int32)
-        cu_k = np.concatenate(([0], np.cumsum(k_len))).astype(np.int32)
-        kv_rows = None
-        if ctx_len.any():
-            kv_rows = np.concatenate(
-                [np.r_[c0:c1, start:end] for start, end, c0, c1 in segments]
-            ).astype(np.int64)
+        a = segment_arrays(segments)
         to = to_device
         return cls(
-            cu_q=to(torch.from_numpy(cu_q), device),
-            cu_k=to(torch.from_numpy(cu_k), device),
-            max_q=int(q_len.max()),
-            max_k=int(k_len.max()),
-            kv_rows=None if kv_rows is None else to(torch.from_numpy(kv_rows), device),
+            cu_q=to(torch.from_numpy(a.cu_q), device),
+            cu_k=to(torch.from_numpy(a.cu_k), device),
+            max_q=int(a.q_len.max()),
+            max_k=int(a.k_len.max()),
+            kv_rows=None if a.kv_rows is None else to(torch.from_numpy(a.kv_rows), device),
         )
+
+
+@dataclass(frozen=True)
+class SegmentArrays:
+    """Host arrays of a varlen call over packed segments: per segment its query and key counts
+    and their cumulative sums (int32, as flash attention takes them), and the packed row of
+    every key (int64, None when every segment's keys are its own rows)."""
+
+    q_len: np.ndarray
+    k_len: np.ndarray
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+    kv_rows: np.ndarray | None
+
+
+def segment_arrays(segments: tuple[tuple[int, int, int, int], ...]) -> SegmentArrays:
+    """Query and key bookkeeping of packed `segments` (see `SegmentArrays`)."""
+    q_len = np.array([end - start for start, end, _, _ in segments], dtype=np.int64)
+    ctx_len = np.array([c1 - c0 for _, _, c0, c1 in segments], dtype=np.int64)
+    k_len = q_len + ctx_len
+    kv_rows = None
+    if ctx_len.any():
+        kv_rows = np.concatenate(
+            [np.r_[c0:c1, start:end] for start, end, c0, c1 in segments]
+        ).astype(np.int64)
+    return SegmentArrays(
+        q_len=q_len,
+        k_len=k_len,
+        cu_q=np.concatenate(([0], np.cumsum(q_len))).astype(np.int32),
+        cu_k=np.concatenate(([0], np.cumsum(k_len))).astype(np.int32),
+        kv_rows=kv_rows,
+    )
 
 
 @cache
@@ -168,11 +191,16 @@ def varlen_attention() -> Callable[..., Tensor] | None:
 def uses_varlen(query: Tensor) -> bool:
     """Whether a pack of these queries goes through one varlen flash-attention call (CUDA,
     16-bit, head dim flash supports, a torch that has the op)."""
+    return varlen_supported(query.device, query.dtype, query.shape[-1])
+
+
+def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention of this device, dtype and head dim runs as one varlen call per layer."""
     return (
-        query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] <= 256
-        and query.shape[-1] % 8 == 0
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim <= 256
+        and head_dim % 8 == 0
         and varlen_attention() is not None
     )
 

@@ -10,6 +10,7 @@ import structlog
 import torch
 
 from consumer import cpu_compat
+from consumer.attention import varlen_supported
 from consumer.batching import batch_from_jobs, broadcast_text
 from consumer.faults import FaultInjector
 from consumer.follower import follow
@@ -97,7 +98,9 @@ def graphed_forward(
     moe = any(type(m).__name__ == "TeacherMoE" for m in model.modules())  # data-dependent shapes
     if device.type != "cuda" or layout.tp != 1 or graphs == 0 or moe:
         return None
-    return GraphedForward(model, max_graphs=graphs)
+    dtype = next(model.parameters()).dtype
+    buckets = varlen_supported(device, dtype, model.config.kv_channels)
+    return GraphedForward(model, max_graphs=graphs, buckets=buckets)
 
 
 def last_control_id(client, queue: str) -> str:

@@ -308,10 +308,12 @@ class ConsumerSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; auto picks CUDA when available."""
 
-    cuda_graphs: int = Field(default=4, ge=0)
-    """Packed batch layouts whose forward is kept as a CUDA graph (CUDA at TP = 1, dense
-    teachers only: a MoE layer's shapes follow its routing), the most recently used; a layout
-    is recorded the second time it comes. 0: always eager."""
+    cuda_graphs: int = Field(default=32, ge=0)
+    """CUDA graphs of the forward kept, the most recently used (CUDA at TP = 1, dense teachers
+    only: a MoE layer's shapes follow its routing). In 16-bit one graph serves every batch of
+    a bucket (token count, segment count and longest segment rounded up), whatever its
+    lengths; in fp32 one exact layout. Recorded the second time a bucket or layout comes.
+    0: always eager."""
 
     # Teacher-only: a consumer never trains. These exist so that a settings file written for a
     # trainer is refused with a clear reason instead of being half-honoured.
