@@ -1023,7 +1023,7 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graphs",
         type=int,
-        default=32,
+        default=64,
         help="TEACHERQ_CONSUMER__CUDA_GRAPHS of the consumer (0: eager forwards only)",
     )
     parser.add_argument(

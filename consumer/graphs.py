@@ -8,15 +8,15 @@ free for finishing the previous batch and packing the next (docs/benchmarks.md, 
 A graph is only valid for the shapes it recorded. Two ways to key them:
 
 - **Buckets** (16-bit CUDA, where attention is one varlen flash call per layer; the consumer's
-  default there). A batch is padded to a bucket: its token count rounded up (to 1/32 of its
-  power of two: 512 rows for 8k-16k tokens), one padding document filling the rows added, its
+  default there). A batch is padded to a bucket: its token count rounded up (to 1/64 of its
+  power of two: 256 rows for 8k-16k tokens), one padding document filling the rows added, its
   segment count rounded up to a power of two with empty segments, and the longest segment's
   query count rounded up to a power of two (flash attention sizes its grid by it; the key
   count it is given is the bucket's, an upper bound; neither changes the real rows' results).
   The cumulative lengths, key rows, ids and positions are inputs copied in before each replay,
   so one graph serves every batch of its bucket whatever its documents' lengths: traffic whose
   lengths never repeat still replays.
-  The padding costs device time (about 2 % on average at 16k tokens a batch); the host queues a
+  The padding costs device time (about 1 % on average at 16k tokens a batch); the host queues a
   forward in well under a millisecond instead of tens of them. A batch holding a segment
   longer than 8192 tokens runs eagerly: its attention keeps the device busy far longer than
   the host needs to launch it, and such lengths would only add buckets.
@@ -63,9 +63,9 @@ REPLAYS_PER_CAPTURE = 8  # once full, at most one bucketed capture per this many
 
 
 def bucket_rows(n: int) -> int:
-    """`n` rows rounded up to a step of 1/32 of the power of two above it (at least 128):
-    512-row steps for 8k-16k rows, so padding adds at most ~6 %, ~2 % on average."""
-    step = max(MIN_SPAN, 1 << max(n.bit_length() - 5, 0))
+    """`n` rows rounded up to a step of 1/64 of the power of two above it (at least 128):
+    256-row steps for 8k-16k rows, so padding adds at most ~3 %, ~1 % on average."""
+    step = max(MIN_SPAN, 1 << max(n.bit_length() - 6, 0))
     return -(-n // step) * step
 
 
@@ -147,6 +147,7 @@ class GraphedForward:
         max_graphs: int,
         min_sightings: int = 2,
         buckets: bool = False,
+        max_rows: int = 0,
     ):
         self.model = model
         self.max_graphs = max_graphs
@@ -157,6 +158,9 @@ class GraphedForward:
         self._seen: OrderedDict[Layout, int] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self._out: torch.Tensor | None = None  # bucketed graphs' shared output [rows, H]
+        # Rows the shared output is first made for (the consumer's token budget): a larger
+        # bucket later grows it, and every graph writing the old one must go.
+        self.max_rows = bucket_rows(max_rows) if max_rows else 0
         self.replays = 0
         self.captures = 0
 
@@ -280,11 +284,14 @@ class GraphedForward:
     def _output(self, like: torch.Tensor) -> torch.Tensor:
         """The first rows of the shared output buffer, as many as `like` has; a larger bucket
         than any before grows the buffer, and the graphs writing the old one go."""
-        if self._out is None or self._out.shape[0] < like.shape[0]:
+        rows = like.shape[0]
+        if self._out is None or self._out.shape[0] < rows:
             if self._graphs:  # their replays may still be queued: let them finish first
                 self.clear()
-            self._out = torch.empty_like(like)
-        return self._out[: like.shape[0]]
+            old = 0 if self._out is None else self._out.shape[0]
+            size = max(rows, self.max_rows, 2 * old)
+            self._out = like.new_empty((size, *like.shape[1:]))
+        return self._out[:rows]
 
 
 def _bucket_bounds(bucket: Bucket, max_position: int, device: torch.device) -> TreeBounds:

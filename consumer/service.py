@@ -100,7 +100,9 @@ def graphed_forward(
         return None
     dtype = next(model.parameters()).dtype
     buckets = varlen_supported(device, dtype, model.config.kv_channels)
-    return GraphedForward(model, max_graphs=graphs, buckets=buckets)
+    return GraphedForward(
+        model, max_graphs=graphs, buckets=buckets, max_rows=settings.consumer.token_budget
+    )
 
 
 def last_control_id(client, queue: str) -> str:

@@ -308,7 +308,7 @@ class ConsumerSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; auto picks CUDA when available."""
 
-    cuda_graphs: int = Field(default=32, ge=0)
+    cuda_graphs: int = Field(default=64, ge=0)
     """CUDA graphs of the forward kept, the most recently used (CUDA at TP = 1, dense teachers
     only: a MoE layer's shapes follow its routing). In 16-bit one graph serves every batch of
     a bucket (token count, segment count and longest segment rounded up), whatever its
