@@ -1023,7 +1023,7 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graphs",
         type=int,
-        default=64,
+        default=128,
         help="TEACHERQ_CONSUMER__CUDA_GRAPHS of the consumer (0: eager forwards only)",
     )
     parser.add_argument(

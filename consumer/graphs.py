@@ -25,14 +25,15 @@ A graph is only valid for the shapes it recorded. Two ways to key them:
   eagerly the first time and is recorded when it comes again (a trainer sending batches of one
   shape).
 
-Either way a key is recorded on its second sighting and the most recently used `max_graphs`
-are kept. All graphs share one memory pool, so their activations take the memory of one
-forward, not one per graph; bucketed graphs also write one shared output buffer. Recording
-costs no extra forward: the batch that is recorded runs eagerly first (as capture requires)
-and keeps that run's result, and the host records while the device computes it (no device
-sync, no cache emptying, unlike `torch.cuda.graph`). Once `max_graphs` are held, a bucketed
-graph is replaced only while captures stay under one in eight replays, so traffic spread over
-more buckets than that runs the rest eagerly instead of recording all the time.
+A bucket is recorded the first time it comes (buckets recur), an exact layout the second
+time (most never do), and the most recently used `max_graphs` are kept. All graphs share one
+memory pool, so their activations take the memory of one forward, not one per graph; bucketed
+graphs also write one shared output buffer. Recording costs no extra forward: the batch that
+is recorded runs eagerly first (as capture requires) and keeps that run's result, and the host
+records while the device computes it (no device sync, no cache emptying, unlike
+`torch.cuda.graph`). Once `max_graphs` are held, a bucketed graph is replaced only while
+captures stay under one in eight replays, so traffic spread over more buckets than that runs
+the rest eagerly instead of recording all the time.
 
 A graph reads the model's weights and rotary table at fixed addresses: moving the model
 (sleep offloads it to the host) invalidates every graph, so `clear` must run before.
@@ -145,13 +146,14 @@ class GraphedForward:
         model: torch.nn.Module,
         *,
         max_graphs: int,
-        min_sightings: int = 2,
+        min_sightings: int | None = None,
         buckets: bool = False,
         max_rows: int = 0,
     ):
         self.model = model
         self.max_graphs = max_graphs
-        self.min_sightings = min_sightings
+        # Sightings before a key is recorded: buckets recur, exact layouts mostly never do.
+        self.min_sightings = min_sightings or (1 if buckets else 2)
         self.buckets = buckets
         self.enabled = max_graphs > 0
         self._graphs: OrderedDict[Layout, _Graph] = OrderedDict()

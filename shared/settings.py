@@ -308,12 +308,12 @@ class ConsumerSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; auto picks CUDA when available."""
 
-    cuda_graphs: int = Field(default=64, ge=0)
+    cuda_graphs: int = Field(default=128, ge=0)
     """CUDA graphs of the forward kept, the most recently used (CUDA at TP = 1, dense teachers
     only: a MoE layer's shapes follow its routing). In 16-bit one graph serves every batch of
     a bucket (token count, segment count and longest segment rounded up), whatever its
-    lengths; in fp32 one exact layout. Recorded the second time a bucket or layout comes.
-    0: always eager."""
+    lengths; in fp32 one exact layout. A bucket is recorded the first time it comes, a layout
+    the second. 0: always eager."""
 
     # Teacher-only: a consumer never trains. These exist so that a settings file written for a
     # trainer is refused with a clear reason instead of being half-honoured.
