@@ -31,7 +31,9 @@ Paths, all on the same documents:
              (c-direct) is Scorer.launch / result over the same micro-batches back to back in
              the consumer process (the next batch launched before the last is collected, as
              the consumer does): the device-bound rate of (c) without the queue. Its host
-             time per batch is the time `launch` holds the host.
+             time per batch is the time `launch` holds the host. (c-direct e) scores the
+             same documents as (c-direct) full again with CUDA graphs off: graphs on and off
+             side by side.
 
 Tokens/s count the documents' tokens (no padding, every shared prompt as often as it is
 submitted), so every path is credited the same work. Each side runs in its own process (HF in
@@ -61,6 +63,7 @@ MFU = FLOPs / seconds / 790e12 (the bf16 dense rate measured on an H200).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -542,10 +545,16 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
             jobs = _jobs(calls, full=full, tag=f"{name}{seed}")
             return _microbatches(jobs, args.tokens_per_forward), sum(map(len, docs_of(calls)))
 
-        paths = (("bare_ours", False), ("direct_label", False), ("direct_full", True))
-        for k, (path, full) in enumerate(paths):
-            # Every path and pass gets documents of its own: a layout seen twice would be
-            # captured as a CUDA graph, which traffic whose lengths never repeat never does.
+        # (path, every output, documents): every path and pass gets documents of its own (no
+        # layout seen twice), except the eager twin of direct_full, which scores direct_full's
+        # documents again without CUDA graphs: graphs on and off side by side.
+        paths = (
+            ("bare_ours", False, 0),
+            ("direct_label", False, 1),
+            ("direct_full", True, 2),
+            ("direct_full_eager", True, 2),
+        )
+        for path, full, k in paths:
             warm, seeds = 1000 * k + 99, [1000 * k + 100 + i for i in range(args.iters)]
             # Tensors are built before timing (the consumer's prefetcher does it off the loop).
             prepared = {s: batches_of(s, full) for s in [warm, *seeds]}
@@ -556,6 +565,8 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
                 if path == "bare_ours":
                     for b in batches:
                         scorer.hidden_states(b)
+                elif path == "direct_full_eager":
+                    _score_pass(dataclasses.replace(scorer, graphs=None), batches, host_s)
                 else:
                     _score_pass(scorer, batches, host_s)
                 return tokens
@@ -924,6 +935,8 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
             _row("(c-direct) score label", d["direct_label"], fl_head),
             _row("(c-direct) score full", d["direct_full"], fl_head),
         ]
+        if "direct_full_eager" in d:
+            rows.append(_row("(c-direct e) full, no graphs", d["direct_full_eager"], fl_head))
         for kind in ("label", "full"):
             w = e2e["windows"][f"{name}_{kind}"]
             run = {"tok_s": w["tokens"] / w["seconds"], "peak_gib": e2e.get("serve_peak_gib")}
@@ -955,8 +968,8 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
                 f"({w.get('batches')} batches, {w['jobs']} jobs), end to end "
                 f"{w.get('idle_end_to_end', float('nan')):.2%} (target <= 2%)"
             )
-        for path in ("direct_label", "direct_full"):
-            if "host_ms_per_batch" in d[path]:
+        for path in ("direct_label", "direct_full", "direct_full_eager"):
+            if "host_ms_per_batch" in d.get(path, {}):
                 lines.append(
                     f"{path}: host {d[path]['host_ms_per_batch']} ms / device "
                     f"{d[path]['device_ms_per_batch']} ms per batch ({d[path]['batches']} batches)"
