@@ -43,6 +43,7 @@ from shared.log import get_logger
 from shared.messages import TeacherRequest, TeacherResult, parse_request
 from shared.settings import Settings
 from shared.streams import Fields
+from shared.tracing import end_span, start_span
 
 log = get_logger("teacherq.gateway")
 
@@ -122,8 +123,27 @@ class Gateway:
     # -- /generate ---------------------------------------------------------------------------
 
     def generate(self, payload: dict[str, Any], handler: _Handler) -> dict[str, Any] | None:
-        """Submit one job and wait for it; None when the client went away (job cancelled)."""
-        req, own_id = self._request(payload, traceparent=handler.headers.get("traceparent"))
+        """Submit one job and wait for it; None when the client went away (job cancelled).
+
+        The request is one `generate` span: a child of the caller's W3C `traceparent` header
+        when it sends one, the parent of the job's spans, and sent back as the response's
+        `traceparent` header (errors included), so a caller learns the job's trace."""
+        incoming = handler.headers.get("traceparent")
+        span = start_span("generate", carrier={"traceparent": incoming} if incoming else None)
+        handler.traceparent = span.carrier["traceparent"]
+        try:
+            out = self._generate(payload, handler, span)
+        except BaseException as exc:
+            end_span(span, exc)
+            raise
+        end_span(span)
+        return out
+
+    def _generate(
+        self, payload: dict[str, Any], handler: _Handler, span: Any
+    ) -> dict[str, Any] | None:
+        req, own_id = self._request(payload, trace=span.carrier)
+        span.set(job_id=req.job_id)
         try:
             [job_id] = self.client.submit([req])
         except InvalidJob as exc:
@@ -154,11 +174,11 @@ class Gateway:
         return _response(job_id, res, req.num_tokens - 1)
 
     def _request(
-        self, payload: dict[str, Any], *, traceparent: str | None = None
+        self, payload: dict[str, Any], *, trace: dict[str, str] | None = None
     ) -> tuple[TeacherRequest, bool]:
         """The queue request for a /generate payload (slime's fields and teacherq's own), and
-        whether the caller named the job id. An HTTP `traceparent` header (W3C trace context)
-        makes the caller's span the parent of the job's spans."""
+        whether the caller named the job id. `trace`: the carrier of the span that parents the
+        job's spans (the request's)."""
         if "input_ids" not in payload:
             raise HttpError(400, "missing input_ids")
         ids = payload["input_ids"]
@@ -182,8 +202,8 @@ class Gateway:
         }
         fields.update({k: payload[k] for k in OWN_FIELDS if payload.get(k) is not None})
         own_id = "job_id" in fields
-        if traceparent:
-            fields["trace"] = {"traceparent": traceparent}
+        if trace:
+            fields["trace"] = dict(trace)
         fields.setdefault("job_id", f"gw-{uuid.uuid4().hex}")
         # Like slime's server after an update: a request is computed by the newest weights.
         fields["min_model_generation"] = protocol.job_generation(
@@ -356,6 +376,7 @@ def _response(job_id: str, res: TeacherResult, rows: int) -> dict[str, Any]:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the trainers' HTTP sessions expect
     server_version = "teacherq-gateway"
+    traceparent: str | None = None  # the current request's span, sent back as a header
 
     @property
     def gateway(self) -> Gateway:
@@ -365,6 +386,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("gateway.http", client=self.address_string(), line=format % args)
 
     def do_GET(self) -> None:
+        self.traceparent = None  # one handler serves every request of a kept-alive connection
         path = self.path.split("?", 1)[0]
         routes = {
             "/healthz": self.gateway.healthz,
@@ -377,6 +399,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(routes[path])
 
     def do_POST(self) -> None:
+        self.traceparent = None
         path = self.path.split("?", 1)[0]
         if path == "/generate":
             self._answer(lambda: self._generate())
@@ -431,6 +454,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(status, HTTPStatus(status).phrase)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.traceparent:  # the request's span (/generate)
+                self.send_header("traceparent", self.traceparent)
             self.end_headers()
             self.wfile.write(data)
         except OSError:  # the client left while we answered

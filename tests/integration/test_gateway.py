@@ -57,11 +57,23 @@ class Http:
         conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         out = json.loads(resp.read())
+        self.headers = resp.headers  # of the last response
         conn.close()
         return resp.status, out
 
 
 GatewayFactory = Callable[..., Http]
+
+
+def _job_spans(s: Settings, job_id: str, names: set[str]) -> dict[str, dict[str, Any]]:
+    """A job's spans by name, once those named are recorded (within 10 s)."""
+    store = TraceStore(TeacherClient(s).r, s.queue.name)
+    deadline = time.monotonic() + 10
+    while True:
+        spans = {x["name"]: x for x in store.job_spans(job_id)}
+        if names <= set(spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -184,6 +196,13 @@ def test_generate_errors_loads_and_disconnect(settings, start_consumer, start_ga
         out["sampled_log_probs"], np.take_along_axis(ref, sampled, axis=1), atol=2e-4
     )
     assert out["request_id"].startswith("gw-") and "topk_token_ids" not in out
+    # Without a traceparent of its own, the caller still learns the job's trace: the response
+    # names the request's span, which parents the job's spans.
+    _, trace_id, request_span, _ = gw.headers["traceparent"].split("-")
+    spans = _job_spans(s, out["request_id"], {"generate", "submit"})
+    assert spans["generate"]["trace_id"] == spans["submit"]["trace_id"] == trace_id
+    assert spans["generate"]["span_id"] == request_span
+    assert spans["submit"]["parent_span_id"] == request_span
 
     status, own = gw.call(
         "POST",
@@ -199,19 +218,16 @@ def test_generate_errors_loads_and_disconnect(settings, start_consumer, start_ga
         headers={"traceparent": f"00-{TRAINER_TRACE}-{TRAINER_SPAN}-01"},
     )
     assert status == 200 and own["request_id"] == "mine"
-    # The caller's W3C traceparent header parents the job's spans (recorded by the gateway
-    # and the consumer in Redis, for `teacherq trace`).
-    store = TraceStore(TeacherClient(s).r, s.queue.name)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        spans = {x["name"]: x for x in store.job_spans("mine")}
-        if {"submit", "forward"} <= set(spans):
-            break
-        time.sleep(0.1)
-    assert spans["submit"]["trace_id"] == TRAINER_TRACE, spans
-    assert spans["submit"]["parent_span_id"] == TRAINER_SPAN
+    # The caller's W3C traceparent header parents the request's span, which parents the job's
+    # spans (recorded by the gateway and the consumer in Redis, for `teacherq trace`); the
+    # response's traceparent names the request's span.
+    spans = _job_spans(s, "mine", {"generate", "submit", "forward"})
+    assert spans["generate"]["trace_id"] == spans["submit"]["trace_id"] == TRAINER_TRACE
+    assert spans["generate"]["parent_span_id"] == TRAINER_SPAN
+    assert spans["submit"]["parent_span_id"] == spans["generate"]["span_id"]
     assert spans["submit"]["process"] == "teacherq gateway"
     assert spans["forward"]["parent_span_id"] == spans["submit"]["span_id"]
+    assert gw.headers["traceparent"] == f"00-{TRAINER_TRACE}-{spans['generate']['span_id']}-01"
     ref = tiny_full_log_softmax(ids, 1.3)
     np.testing.assert_allclose(own["log_probs"], ref[rows, ids[1:]], atol=2e-4)
     np.testing.assert_allclose(
