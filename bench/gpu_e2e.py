@@ -809,6 +809,21 @@ def _serve_window(spans: list, t0: float, t1: float) -> dict:
     }
 
 
+def _capture_times(log_path: Path) -> list[float]:
+    """When the consumer recorded a CUDA graph (its `cuda_graphs.captured` log lines)."""
+    from datetime import datetime
+
+    times = []
+    for line in log_path.read_text().splitlines():
+        if "cuda_graphs.captured" not in line:
+            continue
+        try:
+            times.append(datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp())
+        except (ValueError, KeyError):
+            continue
+    return times
+
+
 def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
     """Start valkey and a consumer process, submit and wait for (c); returns its numbers."""
     from producer import TeacherClient
@@ -886,8 +901,12 @@ def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
         if not out_json.exists():
             raise RuntimeError(f"consumer wrote no report:\n{log_path.read_text()[-4000:]}")
         report = json.loads(out_json.read_text())
+        captured = _capture_times(log_path)
         for w in windows.values():
             w.update(_serve_window(report["spans"], w["t0"], w["t1"]))
+            # Recording a new bucket costs the host about two eager launches: say how many
+            # a window holds (a long-running consumer has recorded its buckets).
+            w["graphs_recorded"] = sum(w["t0"] <= t <= w["t1"] for t in captured)
         report["windows"] = windows
         report.pop("spans")
         return report
@@ -965,7 +984,8 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
                 + f", c/b {c['tok_s'] / b['tok_s']:.3f}, peak c/b "
                 f"{(c['peak_gib'] or 0) / (b['peak_gib'] or 1):.3f}, device idle between "
                 f"batches {w.get('idle_between_batches', float('nan')):.2%} "
-                f"({w.get('batches')} batches, {w['jobs']} jobs), end to end "
+                f"({w.get('batches')} batches, {w['jobs']} jobs, "
+                f"{w.get('graphs_recorded', 0)} graphs recorded), end to end "
                 f"{w.get('idle_end_to_end', float('nan')):.2%} (target <= 2%)"
             )
         for path in ("direct_label", "direct_full", "direct_full_eager"):

@@ -145,21 +145,34 @@ class TeacherGPTModel(GPTModel):
         return self._rope_cos, self._rope_sin
 
     stage_first_layer = 0  # global index of this pipeline stage's first layer
+    stage_replica_shift = 0  # see _stage_checkpoint_offsets
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """megatron's sharded state dict; on a later pipeline stage, checkpoint keys that name
-        a layer (`decoder.layers.<i>.`, per-layer keys) name its global index."""
+        a layer (`decoder.layers.<i>.`, per-layer keys) name its global index, and megatron's
+        entries say which data-parallel replica holds them without counting stages."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.stage_first_layer:
-            from megatron.core.dist_checkpointing.dict_utils import nested_values
+        if not (self.stage_first_layer or self.stage_replica_shift):
+            return out
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-            head = f"{prefix}decoder.layers."
-            for item in nested_values(out):
-                key = getattr(item, "key", None)
-                if isinstance(key, str) and key.startswith(head):
-                    index, dot, rest = key[len(head) :].partition(".")
-                    if index.isdigit() and dot:
-                        item.key = f"{head}{self.stage_first_layer + int(index)}.{rest}"
+        from consumer.moe import CHECKPOINT_ENTRIES
+
+        head = f"{prefix}decoder.layers."
+        for item in nested_values(out):
+            key = getattr(item, "key", None)
+            if not isinstance(key, str):
+                continue
+            if self.stage_first_layer and key.startswith(head):
+                index, dot, rest = key[len(head) :].partition(".")
+                if index.isdigit() and dot:
+                    item.key = f"{head}{self.stage_first_layer + int(index)}.{rest}"
+            if self.stage_replica_shift and key.rpartition(".mlp.")[2] not in CHECKPOINT_ENTRIES:
+                rid = item.replica_id  # TeacherMoE's entries count replicas themselves
+                shift = self.stage_replica_shift
+                item.replica_id = (
+                    (*rid[:-1], rid[-1] - shift) if isinstance(rid, tuple) else (rid - shift)
+                )
         return out
 
     def output_weight_shard(self) -> torch.Tensor:
@@ -320,7 +333,12 @@ def build_model(
         for p in model.parameters():
             p.zero_()
     if layout.pp > 1:
-        _stage_checkpoint_offsets(model, layers, spec.num_layers)
+        _stage_checkpoint_offsets(
+            model,
+            layers,
+            spec.num_layers,
+            replica_shift=layout.pp_rank * layout.replica_size // layout.tp,
+        )
     return model.to(device=device).eval()
 
 
@@ -338,14 +356,21 @@ def _copy_stage(whole: TeacherGPTModel, stage: TeacherGPTModel, layers: range) -
         param.copy_(full[source])
 
 
-def _stage_checkpoint_offsets(model: TeacherGPTModel, layers: range, total: int) -> None:
+def _stage_checkpoint_offsets(
+    model: TeacherGPTModel, layers: range, total: int, *, replica_shift: int
+) -> None:
     """Make a stage's layers describe themselves in torch_dist checkpoints as layers
     `layers` of `total` (megatron sees each stage as a whole model, so it would say 0 .. n - 1
     of n): each layer's sharded state dict gets its place on the stacked layer axis, and the
     stage reads exactly its slice of every stacked tensor. Checkpoints keyed per layer
     (mixture-of-experts models) get the layer's global index in the key instead
-    (`TeacherGPTModel.sharded_state_dict`)."""
+    (`TeacherGPTModel.sharded_state_dict`).
+
+    Saving: megatron numbers data-parallel replicas over the whole world, stages included
+    (rank // tp), so a later stage's tensors would count as replicas of another's and never be
+    written; `replica_shift` (this stage's share of that number) is taken off again."""
     model.stage_first_layer = layers.start
+    model.stage_replica_shift = replica_shift
     for local, layer in enumerate(model.decoder.layers):
         method = layer.sharded_state_dict
 
@@ -375,6 +400,7 @@ def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices
     experts = ExpertLayout(
         size=layout.replica_size,
         rank=layout.replica_rank,
+        replica=layout.dp_rank,
         ep=layout.ep,
         group=layout.stage_group if layout.replica_size > 1 else None,
     )

@@ -29,6 +29,17 @@ if TYPE_CHECKING:
     from consumer.model import ModelSpec
 
 
+# The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
+CHECKPOINT_ENTRIES = (
+    "router.weight",
+    "experts_fc1",
+    "experts_fc2",
+    "shared_fc1",
+    "shared_fc2",
+    "shared_gate",
+)
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """How a replica's `size` ranks share the experts: `ep` ways by expert, each expert's FFN
@@ -38,6 +49,7 @@ class ExpertLayout:
     rank: int = 0
     ep: int = 1
     group: dist.ProcessGroup | None = None
+    replica: int = 0  # the data-parallel replica: only replica 0 saves a checkpoint's tensors
 
     @property
     def etp(self) -> int:
@@ -157,7 +169,6 @@ class TeacherMoE(torch.nn.Module):
 
         lay = self.layout
         prepend = len(sharded_offsets)  # axes megatron stacks layers on, if it does
-        replica = dist.get_rank() // lay.size if dist.is_initialized() else 0
         by_expert = (0, lay.ep_rank, lay.ep)
         out = {}
 
@@ -168,7 +179,7 @@ class TeacherMoE(torch.nn.Module):
                 tensor,
                 *sharded_offsets,
                 *mine,
-                replica_id=(0, lay.rank if copy else 0, replica),
+                replica_id=(0, lay.rank if copy else 0, lay.replica),
                 prepend_axis_num=prepend,
             )
 

@@ -325,3 +325,47 @@ def test_random_weights_are_one_teacher_whatever_the_stages(tied) -> None:
                 np.testing.assert_array_equal(value, w[key], err_msg=key)
             else:
                 np.testing.assert_allclose(value, w[key], atol=ATOL_PP1, rtol=0, err_msg=key)
+
+
+def _save_worker(rank: int, world: int, tp: int, pp: int, path: str, out: str, ep: int = 1):
+    from consumer import cpu_compat
+    from consumer.checkpoints import load_teacher, save_megatron_checkpoint
+    from consumer.parallel import init_parallel
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=tp, pp=pp, ep=ep)
+    model, spec, _ = load_teacher(path, layout, params_dtype=torch.float32, device="cpu")
+    save_megatron_checkpoint(model, out, spec=spec)
+    return len(model.decoder.layers)
+
+
+def _saved_by_stages_scores_at_pp1(path, out, want: list[dict], *, tp=1, ep=1) -> None:
+    """Save a pp = 2 model (each stage its own layers, under their global indices) and load
+    the checkpoint whole at pp = 1: it scores as `want`."""
+    world = 2 * max(tp, ep)
+    layers = run_gloo(world, _save_worker, tp, 2, str(path), str(out), ep, timeout=240)
+    assert sorted(set(layers)) == [1, 2]  # 3 layers over two stages: 2 + 1
+    [got] = run_gloo(1, _score_worker, 1, 1, str(out), 0, timeout=120)
+    assert got["layers"] == 3
+    _compare(got["outputs"], want, path, _requests())
+
+
+def test_torch_dist_checkpoint_saved_by_stages_loads_at_pp1(checkpoints, pp1, tmp_path):
+    path = checkpoints["qwen2_tied"]
+    _saved_by_stages_scores_at_pp1(path, tmp_path / "mg", pp1["qwen2_tied"])
+
+
+@pytest.mark.slow
+def test_torch_dist_checkpoint_saved_by_tp2_stages_loads_at_pp1(checkpoints, pp1, tmp_path):
+    path = checkpoints["llama"]
+    _saved_by_stages_scores_at_pp1(path, tmp_path / "mg", pp1["llama"], tp=2)
+
+
+@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_moe_torch_dist_checkpoint_saved_by_stages_loads_at_pp1(ep, hf_checkpoint, tmp_path):
+    # Expert blocks, router and dense layers alike: each written once, by its stage.
+    path = hf_checkpoint(
+        "qwen3_moe", "pp-qwen3-moe", seed=33, vocab_size=VOCAB, num_layers=3, num_experts=4
+    )
+    [want] = run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=120)
+    _saved_by_stages_scores_at_pp1(path, tmp_path / "mg", want["outputs"], ep=ep)
