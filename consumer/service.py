@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any, cast
 
 import redis
 import structlog
@@ -99,7 +100,8 @@ def graphed_forward(
     if device.type != "cuda" or layout.tp != 1 or graphs == 0 or moe:
         return None
     dtype = next(model.parameters()).dtype
-    buckets = varlen_supported(device, dtype, model.config.kv_channels)
+    head_dim = int(cast(Any, model).config.kv_channels)  # megatron's TransformerConfig
+    buckets = varlen_supported(device, dtype, head_dim)
     return GraphedForward(
         model, max_graphs=graphs, buckets=buckets, max_rows=settings.consumer.token_budget
     )
