@@ -68,27 +68,18 @@ def build_scorer(
         from consumer.checkpoints import load_teacher
 
         model, spec, version = load_teacher(path, layout, params_dtype=dtype, device=device)
+    common: dict[str, Any] = {
+        "model": model,
+        "spec": spec,
+        "layout": layout,
+        "device": device,
+        "chunk_rows": settings.consumer.head_chunk_rows,
+    }
     if layout.pp > 1:  # consumer/pipeline.py: stage to stage, micro-batches in flight
         from consumer.pipeline import PipelineScorer
 
-        staged = PipelineScorer(
-            model=model,
-            spec=spec,
-            layout=layout,
-            device=device,
-            chunk_rows=settings.consumer.head_chunk_rows,
-            microbatches=settings.parallel.microbatches,
-        )
-        return staged, version
-    scorer = Scorer(
-        model=model,
-        spec=spec,
-        layout=layout,
-        device=device,
-        chunk_rows=settings.consumer.head_chunk_rows,
-        graphs=graphed_forward(model, settings, layout, device),
-    )
-    return scorer, version
+        return PipelineScorer(**common, microbatches=settings.parallel.microbatches), version
+    return Scorer(**common, graphs=graphed_forward(model, settings, layout, device)), version
 
 
 def graphed_forward(

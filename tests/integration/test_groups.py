@@ -20,15 +20,18 @@ from tests.reference import hf_token_logprobs, tiny_full_log_softmax
 pytestmark = pytest.mark.integration
 
 
-def jobs(n: int, seed: int = 0, vocab: int = 1000) -> list[TeacherRequest]:
+def jobs(
+    n: int, seed: int = 0, vocab: int = 1000, *, top_k: int = 4, prefix: str = "g"
+) -> list[TeacherRequest]:
+    """`n` requests of 4-29 random tokens, top-k and 2 samples each, ids `<prefix><seed>-<i>`."""
     rng = np.random.default_rng(seed)
     return [
         TeacherRequest(
             input_ids=rng.integers(0, vocab, size=int(rng.integers(4, 30))),
-            top_k=4,
+            top_k=top_k,
             sample_n=2,
             seed=i,
-            job_id=f"g{seed}-{i:03d}",
+            job_id=f"{prefix}{seed}-{i:03d}",
         )
         for i in range(n)
     ]

@@ -19,6 +19,7 @@ from shared import keys
 from shared.settings import Settings
 from tests.conftest import wait_consumer_state
 from tests.integration.test_faults import assert_exactly_once, fast
+from tests.integration.test_groups import jobs as group_jobs
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs
 
@@ -45,17 +46,7 @@ def pipelined(settings: Settings, path: Path, pp: int = 2) -> Settings:
 
 
 def jobs(n: int, seed: int) -> list[TeacherRequest]:
-    rng = np.random.default_rng(seed)
-    return [
-        TeacherRequest(
-            input_ids=rng.integers(0, VOCAB, size=int(rng.integers(4, 30))),
-            top_k=3,
-            sample_n=2,
-            seed=i,
-            job_id=f"pp{seed}-{i:03d}",
-        )
-        for i in range(n)
-    ]
+    return group_jobs(n, seed, VOCAB, top_k=3, prefix="pp")
 
 
 def test_two_stages_serve_update_sleep_and_drain(settings, start_consumer, teachers) -> None:

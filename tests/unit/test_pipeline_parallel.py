@@ -328,15 +328,11 @@ def test_random_weights_are_one_teacher_whatever_the_stages(tied) -> None:
 
 
 def _save_worker(rank: int, world: int, tp: int, pp: int, path: str, out: str, ep: int = 1):
-    from consumer import cpu_compat
-    from consumer.checkpoints import load_teacher, save_megatron_checkpoint
-    from consumer.parallel import init_parallel
+    from consumer.checkpoints import save_megatron_checkpoint
 
-    cpu_compat.apply()
-    layout = init_parallel(tp=tp, pp=pp, ep=ep)
-    model, spec, _ = load_teacher(path, layout, params_dtype=torch.float32, device="cpu")
-    save_megatron_checkpoint(model, out, spec=spec)
-    return len(model.decoder.layers)
+    scorer = _scorer(tp, pp, path, ep=ep)
+    save_megatron_checkpoint(scorer.model, out, spec=scorer.spec)
+    return len(scorer.model.decoder.layers)
 
 
 def _saved_by_stages_scores_at_pp1(path, out, want: list[dict], *, tp=1, ep=1) -> None:
