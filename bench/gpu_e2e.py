@@ -669,8 +669,8 @@ def consumer_child(args: argparse.Namespace) -> int:
             graphs=graphs,
             fused_head=not args.no_fused,
         )
-        if not report.get("direct"):
-            report["direct"] = _direct(scorer, args, cfg)
+        if "direct" not in report:
+            report["direct"] = {} if args.no_direct else _direct(scorer, args, cfg)
             _instrument_scoring()
         if cuda:
             torch.cuda.synchronize()
@@ -824,8 +824,17 @@ def _capture_times(log_path: Path) -> list[float]:
     return times
 
 
-def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
-    """Start valkey and a consumer process, submit and wait for (c); returns its numbers."""
+def run_e2e(
+    args: argparse.Namespace,
+    model: str,
+    tmp: Path,
+    overrides: dict[str, int] | None = None,
+    *,
+    direct: bool = True,
+) -> dict:
+    """Start valkey and a consumer process, submit and wait for (c); returns its numbers.
+    `overrides`: consumer settings of a variant (`--e2e-variants`), which serves the same
+    windows without the (b') / (c-direct) passes (`direct` False)."""
     from producer import TeacherClient
     from shared.messages import TeacherRequest
     from shared.redis_server import ensure_embedded, stop_embedded
@@ -846,6 +855,7 @@ def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
                 "device": args.device,
                 "store_threads": 4,
                 "block_ms": 200,
+                **(overrides or {}),
             },
             log={"format": "json", "level": "info"},
         )
@@ -854,6 +864,7 @@ def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **to_env(settings), "PYTHONPATH": path}
         cmd = _child_args(args, "consumer", model) + ["--out", str(out_json)]
+        cmd += [] if direct else ["--no-direct"]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
         client = TeacherClient(settings)
@@ -904,8 +915,8 @@ def run_e2e(args: argparse.Namespace, model: str, tmp: Path) -> dict:
         captured = _capture_times(log_path)
         for w in windows.values():
             w.update(_serve_window(report["spans"], w["t0"], w["t1"]))
-            # Recording a new bucket costs the host about two eager launches: say how many
-            # a window holds (a long-running consumer has recorded its buckets).
+            # Recording a new bucket costs the host about one eager launch: say how many a
+            # window holds (a long-running consumer has recorded its buckets).
             w["graphs_recorded"] = sum(w["t0"] <= t <= w["t1"] for t in captured)
         report["windows"] = windows
         report.pop("spans")
@@ -1023,6 +1034,39 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
     return lines
 
 
+def _variant(text: str) -> dict[str, int]:
+    """'cuda_graphs=0,batches_in_flight=1' -> consumer setting overrides."""
+    pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
+    return {k.strip(): int(v) for k, v in pairs}
+
+
+def _label(overrides: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
+    """(c) of every variant next to the default consumer's, window by window."""
+    lines = []
+    runs = {"default": e2e, **e2e.get("variants", {})}
+    if len(runs) == 1:
+        return lines
+    lines.append(f"\n(c) side by side: {' | '.join(runs)}")
+    for name in args.workloads:
+        a = hf["runs"][name]["hf"]["tok_s"]
+        for kind in ("label", "full"):
+            cells = []
+            for run in runs.values():
+                w = run["windows"][f"{name}_{kind}"]
+                tok_s = w["tokens"] / w["seconds"]
+                cells.append(
+                    f"{tok_s / 1e3:.1f}k tok/s c/a {tok_s / a:.2f} idle "
+                    f"{w.get('idle_between_batches', float('nan')):.1%} / "
+                    f"{w.get('idle_end_to_end', float('nan')):.1%} rec {w.get('graphs_recorded')}"
+                )
+            lines.append(f"{name} {kind}: " + " | ".join(cells))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="1.5b,7b", help=f"of {','.join(MODELS)}")
@@ -1060,8 +1104,15 @@ def main() -> None:
         help="TEACHERQ_CONSUMER__CUDA_GRAPHS of the consumer (0: eager forwards only)",
     )
     parser.add_argument(
+        "--e2e-variants",
+        default="",
+        help="more (c) consumers serving the same windows, side by side: ';'-separated "
+        "consumer settings, e.g. 'cuda_graphs=0;batches_in_flight=1'",
+    )
+    parser.add_argument(
         "--no-fused", action="store_true", help="the PyTorch reference head, no Triton kernels"
     )
+    parser.add_argument("--no-direct", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=("hf", "consumer"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -1071,6 +1122,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {WORKLOADS}")
     args.long_docs = [int(n) for n in str(args.long_docs).split(",") if n]
+    args.e2e_variants = [_variant(v) for v in str(args.e2e_variants).split(";") if v.strip()]
     args.pass_tokens = args.pass_forwards * args.tokens_per_forward
     args.e2e_tokens = args.e2e_forwards * args.tokens_per_forward
     if args.role == "hf":
@@ -1095,6 +1147,13 @@ def main() -> None:
         hf = _run_hf(args, model)
         with tempfile.TemporaryDirectory() as tmp:
             e2e = run_e2e(args, model, Path(tmp))
+        variants = {}
+        for overrides in args.e2e_variants:
+            with tempfile.TemporaryDirectory() as tmp:
+                variants[_label(overrides)] = run_e2e(
+                    args, model, Path(tmp), overrides, direct=False
+                )
+        e2e["variants"] = variants
         everything[model] = {"hf": hf, "e2e": e2e, "wall_s": round(time.perf_counter() - t0, 1)}
         print(f"versions: hf side {json.dumps(hf['versions'])}", flush=True)
         print(f"head kernels: {e2e['direct'].get('kernels')}", flush=True)
@@ -1104,6 +1163,7 @@ def main() -> None:
             flush=True,
         )
         print("\n".join(summarize(args, model, hf, e2e)), flush=True)
+        print("\n".join(_variant_lines(args, hf, e2e)), flush=True)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(everything, indent=1))
 

@@ -1,7 +1,8 @@
 """Micro-batches on the device: launch, finish, hand results to the writers, survive failure.
 
-At TP = 1 one batch is in flight while the host stores the previous one's results and
-prepares the next; with a TP group each batch finishes at once. A failed batch is split and
+At TP = 1 up to `consumer.batches_in_flight` batches stay queued on the device while the host
+stores the results of older ones and prepares the next; with a TP group each batch finishes at
+once. A failed batch is split and
 each job run alone, to find the culprit (or get past an out-of-memory); a job that fails alone
 is delivered again until `max_deliveries`, then dead-lettered with its error.
 """
@@ -9,6 +10,7 @@ is delivered again until `max_deliveries`, then dead-lettered with its error.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +52,8 @@ class _InFlight:
 
 
 class BatchRunner:
-    """Scores micro-batches on the group and submits their results; one batch in flight."""
+    """Scores micro-batches on the group and submits their results; at TP = 1 up to
+    `batches_in_flight` batches stay queued on the device while the host works."""
 
     def __init__(
         self,
@@ -66,8 +69,10 @@ class BatchRunner:
         dead_letters: DeadLetters,
         max_deliveries: int,
         consumer: str,
+        batches_in_flight: int = 1,
     ) -> None:
         self.loaded = loaded
+        self.batches_in_flight = batches_in_flight
         self.r = client
         self.streams = streams
         self.writer = writer
@@ -78,13 +83,13 @@ class BatchRunner:
         self.dead_letters = dead_letters
         self.max_deliveries = max_deliveries
         self.consumer = consumer
-        self._inflight: _InFlight | None = None  # launched, not yet finished (TP = 1)
+        self._inflight: deque[_InFlight] = deque()  # launched, not yet finished, oldest first
         self._last_finish = 0.0
 
     @property
     def has_inflight(self) -> bool:
         """Whether a batch is launched and not yet finished."""
-        return self._inflight is not None
+        return bool(self._inflight)
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -93,29 +98,36 @@ class BatchRunner:
     def score_and_store(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
     ) -> None:
-        """Launch a micro-batch, then finish the one launched before it: at TP = 1 the device
-        computes this batch while the host stores the previous one's results and prepares the
-        next (one batch in flight at a time). With a TP group each batch finishes at once."""
+        """Launch a micro-batch, then finish the oldest ones until `batches_in_flight` are
+        left: at TP = 1 the device computes those while the host stores the finished one's
+        results and prepares the next. One left in flight hides the host's work per batch
+        behind one batch's compute; two also absorb a batch whose host work takes longer (a
+        CUDA graph recorded, a garbage collection). With a TP group each batch finishes at
+        once."""
         launched = self._launch(
             jobs, batch_id=batch_id, claimed_at=claimed_at, deliveries=deliveries
         )
-        previous, self._inflight = self._inflight, launched
-        if previous is not None:
-            self._finish(previous)
-        if self._group is not None:
-            self.finish_inflight()
+        if launched is not None:
+            self._inflight.append(launched)
+        keep = self.batches_in_flight if self._group is None else 0
+        while len(self._inflight) > keep:
+            self.finish_oldest()
+
+    def finish_oldest(self) -> None:
+        """Finish the oldest batch in flight, if any (waits for the device to reach it)."""
+        if self._inflight:
+            self._finish(self._inflight.popleft())
 
     def finish_inflight(self) -> None:
-        """Finish the batch in flight, if any (before idling, control commands, stopping)."""
-        while self._inflight is not None:
-            batch, self._inflight = self._inflight, None
-            self._finish(batch)
+        """Finish every batch in flight (before control commands, failures, stopping)."""
+        while self._inflight:
+            self.finish_oldest()
 
     def _launch(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
     ) -> _InFlight | None:
         t0 = time.perf_counter()
-        if self._inflight is None:
+        if not self._inflight:
             self.heartbeat.batch_started = time.monotonic()
         b = start_span(
             "batch",
@@ -222,7 +234,7 @@ class BatchRunner:
 
     def _heartbeat_batch(self) -> None:
         """The hang watchdog times the batch in flight, if any."""
-        self.heartbeat.batch_started = None if self._inflight is None else time.monotonic()
+        self.heartbeat.batch_started = time.monotonic() if self._inflight else None
 
     def _batch_failed(
         self,

@@ -28,12 +28,13 @@ A graph is only valid for the shapes it recorded. Two ways to key them:
 A bucket is recorded the first time it comes (buckets recur), an exact layout the second
 time (most never do), and the most recently used `max_graphs` are kept. All graphs share one
 memory pool, so their activations take the memory of one forward, not one per graph; bucketed
-graphs also write one shared output buffer. Recording costs no extra forward: the batch that
-is recorded runs eagerly first (as capture requires) and keeps that run's result, and the host
-records while the device computes it (no device sync, no cache emptying, unlike
-`torch.cuda.graph`). Once `max_graphs` are held, a bucketed graph is replaced only while
-captures stay under one in eight replays, so traffic spread over more buckets than that runs
-the rest eagerly instead of recording all the time.
+graphs also write one shared output buffer. Recording costs no extra forward: the first
+batch recorded runs eagerly first (as capture requires) and keeps that run's result; later
+ones replay the graph just recorded. The host records while the device computes what was
+queued before (no device sync, no cache emptying, unlike `torch.cuda.graph`). Once
+`max_graphs` are held, a bucketed graph is replaced only while captures stay under one in
+eight replays, so traffic spread over more buckets than that runs the rest eagerly instead
+of recording all the time.
 
 A graph reads the model's weights and rotary table at fixed addresses: moving the model
 (sleep offloads it to the host) invalidates every graph, so `clear` must run before.
@@ -51,6 +52,7 @@ import structlog
 import torch
 
 from consumer.attention import TreeBounds, VarlenLayout, segment_arrays
+from consumer.tp_ops import to_device
 
 log = structlog.get_logger("teacherq.consumer")
 
@@ -163,6 +165,8 @@ class GraphedForward:
         # Rows the shared output is first made for (the consumer's token budget): a larger
         # bucket later grows it, and every graph writing the old one must go.
         self.max_rows = bucket_rows(max_rows) if max_rows else 0
+        self._side: torch.cuda.Stream | None = None  # where graphs are captured
+        self._warm = False  # whether a capture ran (lazy library state exists): see _capture
         self.replays = 0
         self.captures = 0
 
@@ -200,10 +204,12 @@ class GraphedForward:
         return graph.hidden_PH[:rows]
 
     def clear(self) -> None:
-        """Drop every graph (their memory returns to the allocator)."""
+        """Drop every graph (their memory returns to the allocator) once queued replays are
+        done; the next capture runs eagerly first again."""
+        torch.cuda.synchronize()
         self._graphs.clear()
         self._out = None
-        torch.cuda.synchronize()
+        self._warm = False
 
     @property
     def size(self) -> int:
@@ -226,8 +232,14 @@ class GraphedForward:
         bounds: TreeBounds,
         bucket: Bucket | None,
     ) -> torch.Tensor:
-        """Record a graph for `key`; returns this batch's hidden states [P, H] from the eager
-        run that precedes the capture (eager from here on if capture fails)."""
+        """Record a graph for `key` and return this batch's hidden states [P, H] (eager from
+        here on if capture fails).
+
+        The first capture (and the first after `clear`) runs the batch eagerly first, on the
+        stream it will capture on, as capture requires: whatever libraries initialise lazily
+        (workspaces, loaded kernels) is then not recorded, and that run is the batch's result.
+        Later captures skip it and replay the new graph instead: recording then costs the host
+        about one eager forward's launches, not two."""
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         rows = ids_P.shape[0]
@@ -235,20 +247,23 @@ class GraphedForward:
             static_ids = ids_P.new_zeros(bucket.tokens)
             static_pos = position_P.new_zeros(bucket.tokens)
             static_ids[:rows], static_pos[:rows] = ids_P, position_P
-            bounds = _bucket_bounds(bucket, int(bounds.max_seqlen_q) - 1, ids_P.device)
+            recorded = _bucket_bounds(bucket, int(bounds.max_seqlen_q) - 1, ids_P.device)
         else:
             static_ids, static_pos = ids_P.clone(), position_P.clone()
-        # One eager run on a side stream first, as capture requires (whatever is initialised
-        # lazily, library workspaces, is then not recorded): its result is this batch's.
+            recorded = bounds
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        side = self._side
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            warm = eager_forward(self.model, static_ids, static_pos, bounds)
-        current.wait_stream(side)
-        warm.record_stream(current)
+        warm = None
+        if not self._warm:
+            with torch.cuda.stream(side):
+                warm = eager_forward(self.model, static_ids, static_pos, recorded)
+            current.wait_stream(side)
+            warm.record_stream(current)
         try:
-            out = self._output(warm) if bucket is not None else None
+            out = self._output(bucket.tokens, warm) if bucket is not None else None
             if not self._graphs:
                 # A pool dies with the last graph that used it: capturing into it again trips
                 # an internal assert of torch's allocator (seen with torch 2.11), so start anew.
@@ -260,7 +275,7 @@ class GraphedForward:
             with torch.cuda.stream(side):
                 graph.capture_begin(self._pool, capture_error_mode="thread_local")
                 try:
-                    hidden = eager_forward(self.model, static_ids, static_pos, bounds)
+                    hidden = eager_forward(self.model, static_ids, static_pos, recorded)
                     if out is not None:  # into the shared buffer: the pool keeps no output each
                         out.copy_(hidden)
                         hidden = out
@@ -271,41 +286,55 @@ class GraphedForward:
             self._graphs.clear()
             self._out = None
             log.warning("cuda_graphs.disabled", error=f"{type(exc).__name__}: {exc}")
+            if warm is None:
+                return eager_forward(self.model, ids_P, position_P, bounds)
             return warm[:rows]
         self.captures += 1
+        self._warm = True
         log.info(
             "cuda_graphs.captured",
             tokens=int(static_ids.shape[0]),
-            segments=len(bounds.segments),
+            segments=len(recorded.segments),
             bucketed=bucket is not None,
             graphs=len(self._graphs) + 1,
+            warm_up=warm is not None,
         )
-        self._graphs[key] = _Graph(graph, static_ids, static_pos, hidden, bounds)
-        return warm[:rows]
+        self._graphs[key] = _Graph(graph, static_ids, static_pos, hidden, recorded)
+        if warm is not None:
+            return warm[:rows]
+        graph.replay()  # on the current stream, after what was queued before this batch
+        self.replays += 1
+        return hidden[:rows]
 
-    def _output(self, like: torch.Tensor) -> torch.Tensor:
-        """The first rows of the shared output buffer, as many as `like` has; a larger bucket
-        than any before grows the buffer, and the graphs writing the old one go."""
-        rows = like.shape[0]
+    def _output(self, rows: int, like: torch.Tensor | None) -> torch.Tensor:
+        """The first `rows` rows of the shared output buffer, made like `like` (a forward's
+        hidden states) or the buffer before; a larger bucket than any before grows it, and the
+        graphs writing the old one go."""
         if self._out is None or self._out.shape[0] < rows:
+            old = self._out
+            like = like if like is not None else old
+            assert like is not None  # the first capture after a clear runs eagerly first
             if self._graphs:  # their replays may still be queued: let them finish first
-                self.clear()
-            old = 0 if self._out is None else self._out.shape[0]
-            size = max(rows, self.max_rows, 2 * old)
+                torch.cuda.synchronize()
+                self._graphs.clear()
+            size = max(rows, self.max_rows, 2 * (0 if old is None else old.shape[0]))
             self._out = like.new_empty((size, *like.shape[1:]))
         return self._out[:rows]
 
 
 def _bucket_bounds(bucket: Bucket, max_position: int, device: torch.device) -> TreeBounds:
     """TreeBounds of a padded batch whose varlen layout lives in device tensors of its own
-    (a bucketed graph's inputs)."""
+    (a bucketed graph's inputs), copied there through pinned memory: a plain `.to` would wait
+    for every batch queued on the device before the recording could start."""
     bounds = TreeBounds.from_segments(bucket.segments, max_position=max_position)
     bounds.varlen = VarlenLayout(
-        cu_q=torch.from_numpy(bucket.cu_q).to(device),
-        cu_k=torch.from_numpy(bucket.cu_k).to(device),
+        cu_q=to_device(torch.from_numpy(bucket.cu_q), device),
+        cu_k=to_device(torch.from_numpy(bucket.cu_k), device),
         max_q=bucket.max_q,
         max_k=bucket.max_k,
-        kv_rows=None if bucket.kv_rows is None else torch.from_numpy(bucket.kv_rows).to(device),
+        kv_rows=None
+        if bucket.kv_rows is None
+        else to_device(torch.from_numpy(bucket.kv_rows), device),
     )
     return bounds
 

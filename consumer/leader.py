@@ -166,6 +166,7 @@ class Leader:
             dead_letters=self.dead_letters,
             max_deliveries=c.max_deliveries,
             consumer=self.name,
+            batches_in_flight=c.batches_in_flight,
         )
         self.control = Control(
             settings=c,
@@ -280,7 +281,9 @@ class Leader:
                 runner.finish_inflight()
                 return
             if not entries and runner.has_inflight:
-                runner.finish_inflight()
+                # None claimed yet: store the oldest batch's results, then look again, so the
+                # device keeps the rest while the next entries may still arrive.
+                runner.finish_oldest()
                 continue
             if entries:
                 self._work(entries, waited=time.perf_counter() - t_wait)

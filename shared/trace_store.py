@@ -127,9 +127,11 @@ class RedisSpanSink:
                 return 0
             try:
                 self._write(records)
-            except redis.RedisError:
+            except redis.RedisError as exc:
                 self.dropped += len(records)
-                log.warning("trace.flush_failed", records=len(records), exc_info=True)
+                # One line; the traceback only at debug level (a library stays quiet).
+                log.warning("trace.flush_failed", records=len(records), error=str(exc))
+                log.debug("trace.flush_failed", exc_info=True)
                 return 0
             return len(records)
 

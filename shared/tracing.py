@@ -216,9 +216,11 @@ def _emit(record: SpanRecord) -> None:
         record["process"] = _state.process
     try:
         sink(record)
-    except Exception:  # noqa: BLE001 - tracing must never break the traced code; counted
+    except Exception as exc:  # noqa: BLE001 - tracing must never break the traced code; counted
         _state.failures += 1
-        _log.warning("trace.sink_failed", failures=_state.failures, exc_info=True)
+        error = f"{type(exc).__name__}: {exc}"
+        _log.warning("trace.sink_failed", failures=_state.failures, error=error)
+        _log.debug("trace.sink_failed", exc_info=True)
 
 
 def _make_record(

@@ -260,9 +260,9 @@ def test_bucketed_graphs_replay_batches_of_lengths_never_seen(model, layout) -> 
     keys = set(_keys(graphed, batches))
     assert len(keys) <= 12  # 24 batches of new lengths, fewer buckets
     assert graphs.captures == graphs.size == len(keys)
-    # Two forwards per batch above: a bucket's first is recorded (and keeps the eager run that
-    # precedes capture), every later one replays.
-    assert graphs.replays == 2 * len(batches) - len(keys)
+    # Two forwards per batch above, each a replay but the very first: that one is recorded
+    # and keeps the eager run that precedes the first capture; later recordings replay.
+    assert graphs.replays == 2 * len(batches) - 1
 
 
 def _keys(scorer: Scorer, batches: list) -> list[tuple[int, ...]]:
@@ -297,21 +297,29 @@ def test_bucketed_graphs_serve_shared_prompts(model, layout) -> None:
     assert graphs.replays > 0
 
 
-def test_a_bucketed_replay_never_waits_for_the_device(model, layout) -> None:
-    graphs = GraphedForward(model, max_graphs=2, buckets=True)
+def test_bucketed_recordings_and_replays_never_wait_for_the_device(model, layout) -> None:
+    """After the first capture neither a replay nor recording a new bucket syncs the device:
+    the host queues the batch behind whatever is still computing."""
+    graphs = GraphedForward(model, max_graphs=4, buckets=True)
     graphed = _scorer(model, layout, graphs)
     first, second = _batch([900, 1100, 2000], seed=5), _batch([1000, 1000, 1990], seed=6)
+    new_bucket = _batch([3000, 2500, 700, 900], seed=7)
     graphed.score(first)  # recorded the first time its bucket comes
     graphed.score(first)  # replayed
     torch.cuda.synchronize()
     assert graphs.captures == 1 and graphs.replays == 1
+    eager = _scorer(model, layout)
+    want = eager.score(new_bucket)
     torch.cuda.set_sync_debug_mode("error")
     try:
         pending = graphed.launch(second)  # other lengths, same bucket: a replay
+        recorded = graphed.launch(new_bucket)  # a new bucket: recorded, then replayed
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert graphs.captures == 1 and graphs.replays == 2
+    assert graphs.captures == 2 and graphs.replays == 3
     assert pending.result()[0]["logprobs"].shape == (999,)
+    for a, b in zip(want, recorded.result(), strict=True):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=0.1, rtol=0)
 
 
 def test_full_bucketed_graphs_do_not_record_on_every_batch(model, layout) -> None:

@@ -7,6 +7,7 @@ fault-free run; nothing is left pending; the dead-letter stream holds exactly th
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -158,6 +159,31 @@ class Supervisor:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join()
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_batches_stay_in_flight_while_results_are_stored(
+    in_flight, settings, start_consumer
+) -> None:
+    """`consumer.batches_in_flight` batches stay launched while the host stores an older
+    batch's results: in the consumer's log a batch is done only after the next `in_flight`
+    started (the device always has that much queued), never later; every job once."""
+    s = fast(settings, batch_max_jobs=1, batches_in_flight=in_flight)
+    s = s.model_copy(update={"log": s.log.model_copy(update={"level": "debug", "format": "json"})})
+    client = TeacherClient(s)
+    ids = client.submit(job_set(12, seed=5))  # queued before the consumer starts: it never waits
+    proc = start_consumer(s)
+    assert all(r.ok for r in client.wait(ids, timeout=120))
+    open_batches, most = set(), 0
+    for line in proc.log_path.read_text().splitlines():  # type: ignore[attr-defined]
+        event = json.loads(line) if line.startswith("{") else {}
+        if event.get("event") == "batch.start":
+            open_batches.add(event["batch_id"])
+            most = max(most, len(open_batches))
+        elif event.get("event") == "batch.done":
+            open_batches.discard(event["batch_id"])
+    assert most == in_flight + 1, "launched, not yet stored: the ones left plus the newest"
+    assert_exactly_once(client, ids)
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
