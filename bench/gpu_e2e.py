@@ -806,6 +806,9 @@ def _serve_window(spans: list, t0: float, t1: float) -> dict:
         "idle_between_batches": round(1 - busy / (last - first), 4),
         # Everything that is not scoring in the client's view: submit, queue, store, wait.
         "idle_end_to_end": round(1 - busy / (t1 - t0), 4),
+        # Of that: before the first batch (submit, claim) and after the last (store, wait).
+        "fill_ms": round(1e3 * (first - t0), 1),
+        "drain_ms": round(1e3 * (t1 - last), 1),
     }
 
 
@@ -1061,7 +1064,8 @@ def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
                 cells.append(
                     f"{tok_s / 1e3:.1f}k tok/s c/a {tok_s / a:.2f} idle "
                     f"{w.get('idle_between_batches', float('nan')):.1%} / "
-                    f"{w.get('idle_end_to_end', float('nan')):.1%} rec {w.get('graphs_recorded')}"
+                    f"{w.get('idle_end_to_end', float('nan')):.1%} (fill {w.get('fill_ms')} "
+                    f"drain {w.get('drain_ms')} ms) rec {w.get('graphs_recorded')}"
                 )
             lines.append(f"{name} {kind}: " + " | ".join(cells))
     return lines
