@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from consumer.prefix import PackedTree, pack_tree
 from shared.messages import Job
 
 
@@ -70,6 +72,13 @@ class BatchTensors:
     def num_tokens(self) -> int:
         """T."""
         return int(self.input_ids_T.shape[0])
+
+    @cached_property
+    def packed(self) -> PackedTree:
+        """The packed layout of the batch (`consumer.prefix.pack_tree`), computed once: the
+        checks and the launch both need it (raises ValueError if prompt sharing is
+        inconsistent)."""
+        return pack_tree(self.input_ids_T, self.lengths_J, self.group_J, self.prefix_len_J)
 
     @property
     def prefix_tokens_saved(self) -> int:

@@ -279,17 +279,20 @@ def pack_tree(
     lengths = [int(n) for n in lengths_J.tolist()]
     groups, prefixes = group_J.tolist(), prefix_J.tolist()
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64).tolist()
-    src_parts: list[torch.Tensor] = []  # job-token index of each packed token
-    pos_parts: list[torch.Tensor] = []
-    row_parts: list[torch.Tensor] = []
+    ids = input_ids_T.numpy()
+    # Host bookkeeping in numpy: a micro-batch holds up to hundreds of jobs, and this runs on
+    # the host between batches (small torch ops cost several microseconds each).
+    src_parts: list[np.ndarray] = []  # job-token index of each packed token
+    pos_parts: list[np.ndarray] = []
+    row_parts: list[np.ndarray] = []
     segments: list[tuple[int, int, int, int]] = []
     prompts: dict[int, tuple[int, int]] = {}  # group -> (packed start of its prompt, job)
     at = 0
 
     def emit(src0: int, pos0: int, n: int, context: tuple[int, int]) -> None:
         nonlocal at
-        src_parts.append(torch.arange(src0, src0 + n))
-        pos_parts.append(torch.arange(pos0, pos0 + n))
+        src_parts.append(np.arange(src0, src0 + n))
+        pos_parts.append(np.arange(pos0, pos0 + n))
         segments.append((at, at + n, *context))
         at += n
 
@@ -297,7 +300,7 @@ def pack_tree(
         if g < 0 and p:
             raise ValueError(f"job {j} shares no prompt but has prefix length {p}")
         if g < 0:
-            row_parts.append(torch.arange(at, at + n))
+            row_parts.append(np.arange(at, at + n))
             emit(s, 0, n, (at, at))
             continue
         if not 1 <= p < n:
@@ -309,15 +312,15 @@ def pack_tree(
         if p != prefixes[j0]:
             raise ValueError(f"jobs {j0} and {j} of group {g} disagree on its prompt length")
         s0 = starts[j0]
-        if j != j0 and not torch.equal(input_ids_T[s : s + p], input_ids_T[s0 : s0 + p]):
+        if j != j0 and not np.array_equal(ids[s : s + p], ids[s0 : s0 + p]):
             raise ValueError(f"jobs {j0} and {j} of group {g} do not share their prompt")
-        row_parts += [torch.arange(p_at, p_at + p), torch.arange(at, at + n - p)]
+        row_parts += [np.arange(p_at, p_at + p), np.arange(at, at + n - p)]
         emit(s + p, p, n - p, (p_at, p_at + p))
-    src = torch.cat(src_parts)
+    src = torch.from_numpy(np.concatenate(src_parts))
     return PackedTree(
         input_ids_P=input_ids_T[src],
-        position_P=torch.cat(pos_parts),
-        row_of_T=torch.cat(row_parts),
+        position_P=torch.from_numpy(np.concatenate(pos_parts)),
+        row_of_T=torch.from_numpy(np.concatenate(row_parts)),
         segments=tuple(segments),
         lengths=tuple(lengths),
         shared=bool(prompts),

@@ -23,7 +23,7 @@ from consumer.batching import BatchTensors
 from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
-from consumer.prefix import PackedTree, pack_tree
+from consumer.prefix import PackedTree
 from shared.tracing import PhaseClock
 
 
@@ -88,7 +88,7 @@ class Scorer:
     def layout_of(self, batch: BatchTensors) -> PackedTree:
         """The packed layout of a batch (raises ValueError if its prompt sharing is
         inconsistent)."""
-        return pack_tree(batch.input_ids_T, batch.lengths_J, batch.group_J, batch.prefix_len_J)
+        return batch.packed
 
     @torch.inference_mode()
     def packed_hidden_states(
