@@ -1,10 +1,10 @@
 """Micro-batches on the device: launch, finish, hand results to the writers, survive failure.
 
 At TP = 1 up to `consumer.batches_in_flight` batches stay queued on the device while the host
-stores the results of older ones and prepares the next; with a TP group each batch finishes at
-once. A failed batch is split and
-each job run alone, to find the culprit (or get past an out-of-memory); a job that fails alone
-is delivered again until `max_deliveries`, then dead-lettered with its error.
+stores the results of older ones and prepares the next; in a replica of several ranks each
+batch finishes at once. A failed batch is split and each job run alone, to find the culprit
+(or get past an out-of-memory); a job that fails alone is delivered again until
+`max_deliveries`, then dead-lettered with its error.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class BatchRunner:
         left: at TP = 1 the device computes those while the host stores the finished one's
         results and prepares the next. One left in flight hides the host's work per batch
         behind one batch's compute; two also absorb a batch whose host work takes longer (a
-        CUDA graph recorded, a garbage collection). With a TP group each batch finishes at
-        once."""
+        CUDA graph recorded, a garbage collection). In a replica of several ranks each batch
+        finishes at once."""
         launched = self._launch(
             jobs, batch_id=batch_id, claimed_at=claimed_at, deliveries=deliveries
         )
