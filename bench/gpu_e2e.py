@@ -33,7 +33,8 @@ Paths, all on the same documents:
              the consumer does): the device-bound rate of (c) without the queue. Its host
              time per batch is the time `launch` holds the host. (c-direct e) scores the
              same documents as (c-direct) full again with CUDA graphs off: graphs on and off
-             side by side.
+             side by side. `--e2e-variants` serves the same (c) windows again with other
+             consumer settings (e.g. `cuda_graphs=0`), one consumer after the other.
 
 Tokens/s count the documents' tokens (no padding, every shared prompt as often as it is
 submitted), so every path is credited the same work. Each side runs in its own process (HF in

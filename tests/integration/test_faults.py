@@ -166,8 +166,8 @@ def test_batches_stay_in_flight_while_results_are_stored(
     in_flight, settings, start_consumer
 ) -> None:
     """`consumer.batches_in_flight` batches stay launched while the host stores an older
-    batch's results: in the consumer's log a batch is done only after the next `in_flight`
-    started (the device always has that much queued), never later; every job once."""
+    batch's results: in the consumer's log, at most `in_flight` + 1 batches are started and
+    not yet stored, and with the queue full that many are; every job completes once."""
     s = fast(settings, batch_max_jobs=1, batches_in_flight=in_flight)
     s = s.model_copy(update={"log": s.log.model_copy(update={"level": "debug", "format": "json"})})
     client = TeacherClient(s)
