@@ -254,7 +254,7 @@ def test_a_span_closed_in_another_context_restores_the_values(records) -> None:
     assert [r["name"] for r in records] == ["moved", "outer"]
 
 
-def test_a_failing_sink_never_breaks_the_traced_code() -> None:
+def test_a_failing_sink_never_breaks_the_traced_code(events) -> None:
     def broken(_rec: SpanRecord) -> None:
         raise ConnectionError("redis down")
 
@@ -268,6 +268,12 @@ def test_a_failing_sink_never_breaks_the_traced_code() -> None:
         tracing.configure_sink(previous)
     assert value == 42
     assert tracing.sink_failures() == before + 2
+    # Each failure is one warning line naming the error; its traceback only at debug level.
+    failed = [e for e in events if e["event"] == "trace.sink_failed"]
+    warnings = [e for e in failed if e["level"] == "warning"]
+    assert [e["error"] for e in warnings] == ["ConnectionError: redis down"] * 2
+    assert not any("exc_info" in e for e in warnings)
+    assert [e.get("exc_info") for e in failed if e["level"] == "debug"] == [True, True]
 
 
 def test_record_clamps_an_end_before_its_start(records) -> None:
@@ -395,3 +401,28 @@ def test_a_trainers_opentelemetry_span_parents_a_submit(records) -> None:
     for name in ("submit", "submit_unbound"):
         assert recs[name]["trace_id"] == format(ctx.trace_id, "032x")
         assert recs[name]["parent_span_id"] == format(ctx.span_id, "016x")
+
+
+def test_trace_writes_that_fail_say_so_in_one_line(events) -> None:
+    """Redis unreachable: the sink drops the records it could not write and logs one warning
+    naming the error; the traceback only at debug level (a library stays quiet)."""
+    import socket
+
+    import redis
+
+    from shared.trace_store import RedisSpanSink
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sink = RedisSpanSink(redis.Redis(port=port), "q", flush_interval_s=3600)
+    try:
+        sink({"trace_id": "t1", "span_id": "s1", "name": "x", "start_time": 0.0, "end_time": 1.0})
+        assert sink.flush() == 0 and sink.dropped == 1
+    finally:
+        sink.close()
+    failed = [e for e in events if e["event"] == "trace.flush_failed"]
+    [warning] = [e for e in failed if e["level"] == "warning"]
+    assert str(port) in warning["error"] and warning["records"] == 1
+    assert "exc_info" not in warning
+    assert [e.get("exc_info") for e in failed if e["level"] == "debug"] == [True]
