@@ -833,12 +833,10 @@ def run_e2e(
     model: str,
     tmp: Path,
     overrides: dict[str, int] | None = None,
-    *,
-    direct: bool = True,
 ) -> dict:
     """Start valkey and a consumer process, submit and wait for (c); returns its numbers.
     `overrides`: consumer settings of a variant (`--e2e-variants`), which serves the same
-    windows without the (b') / (c-direct) passes (`direct` False)."""
+    windows without the (b') / (c-direct) passes."""
     from producer import TeacherClient
     from shared.messages import TeacherRequest
     from shared.redis_server import ensure_embedded, stop_embedded
@@ -868,7 +866,7 @@ def run_e2e(
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **to_env(settings), "PYTHONPATH": path}
         cmd = _child_args(args, "consumer", model) + ["--out", str(out_json)]
-        cmd += [] if direct else ["--no-direct"]
+        cmd += [] if overrides is None else ["--no-direct"]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
         client = TeacherClient(settings)
@@ -1155,9 +1153,7 @@ def main() -> None:
         variants = {}
         for overrides in args.e2e_variants:
             with tempfile.TemporaryDirectory() as tmp:
-                variants[_label(overrides)] = run_e2e(
-                    args, model, Path(tmp), overrides, direct=False
-                )
+                variants[_label(overrides)] = run_e2e(args, model, Path(tmp), overrides)
         e2e["variants"] = variants
         everything[model] = {"hf": hf, "e2e": e2e, "wall_s": round(time.perf_counter() - t0, 1)}
         print(f"versions: hf side {json.dumps(hf['versions'])}", flush=True)

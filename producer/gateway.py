@@ -43,7 +43,7 @@ from shared.log import get_logger
 from shared.messages import TeacherRequest, TeacherResult, parse_request
 from shared.settings import Settings
 from shared.streams import Fields
-from shared.tracing import end_span, start_span
+from shared.tracing import Span, end_span, start_span
 
 log = get_logger("teacherq.gateway")
 
@@ -140,7 +140,7 @@ class Gateway:
         return out
 
     def _generate(
-        self, payload: dict[str, Any], handler: _Handler, span: Any
+        self, payload: dict[str, Any], handler: _Handler, span: Span
     ) -> dict[str, Any] | None:
         req, own_id = self._request(payload, trace=span.carrier)
         span.set(job_id=req.job_id)

@@ -261,10 +261,11 @@ class ConsumerSettings(_Section):
     """Batches read ahead while the device computes (0: no overlap)."""
 
     batches_in_flight: int = Field(default=2, ge=1)
-    """Batches left queued on the device (TP = 1) while the host stores older results and
-    prepares the next. 1 hides the host's work behind one batch's compute; 2 also absorbs a
-    batch whose host work takes longer than that (a CUDA graph recorded, a slow claim), at
-    one more batch of result latency under full load."""
+    """Batches left queued on the device while the host stores older results and prepares
+    the next (a replica of one rank; a replica of several finishes each batch at once). 1
+    hides the host's work behind one batch's compute; 2 also absorbs a batch whose host work
+    takes longer than that (a CUDA graph recorded, a slow claim), at one more batch of result
+    latency under full load."""
 
     store_threads: int = Field(default=2, ge=1)
     """Background threads that upload results, write records and acknowledge."""
