@@ -382,8 +382,14 @@ def hf_child(args: argparse.Namespace) -> None:
 # (c): the consumer process
 # --------------------------------------------------------------------------------------------
 
-SPANS: list[list[float]] = []  # [start, end, tokens] of every batch while serving
-DEVICE_SPANS: list = []  # CUDA: (start event, end event, tokens) of every batch while serving
+# [start, end, tokens, recorded, launch_ms, launch_t0] of every batch while serving: recorded
+# is 1 when the batch's launch recorded a CUDA graph, launch_ms the host time its launch took
+# from launch_t0 (host clock).
+SPANS: list[list[float]] = []
+DEVICE_SPANS: list = []  # CUDA: (start event, end event, *the rest as SPANS) per batch
+# (name, start, end) on the host clock of what the consumer's main thread did while serving,
+# for what it was doing before a batch it launched late (`_host_steps`).
+HOST_STEPS: list[tuple[str, float, float]] = []
 
 
 def _randomize(model, seed: int) -> None:
@@ -686,6 +692,7 @@ def consumer_child(args: argparse.Namespace) -> int:
         report["serve_peak_gib"] = _gib(torch.cuda.max_memory_allocated() if cuda else None)
         report["serve_peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved() if cuda else None)
         report["spans"] = _device_spans() if DEVICE_SPANS else SPANS
+        report["host_steps"] = HOST_STEPS
         Path(args.out).write_text(json.dumps(report))
 
 
@@ -712,6 +719,7 @@ def _instrument_scoring() -> None:
 
     def launch_timed(self, batch, clock=None):
         t0 = time.time()
+        captures = self.graphs.captures if self.graphs is not None else 0
         if self.device.type == "cuda":
             before = torch.cuda.Event(enable_timing=True)
             before.record()
@@ -719,31 +727,83 @@ def _instrument_scoring() -> None:
         if self.device.type == "cuda":
             after = torch.cuda.Event(enable_timing=True)
             after.record()
-            DEVICE_SPANS.append((before, after, int(batch.num_tokens)))
-        started[id(pending)] = t0
+        recorded = int(self.graphs is not None and self.graphs.captures > captures)
+        launch_ms = 1e3 * (time.time() - t0)
+        if self.device.type == "cuda":
+            DEVICE_SPANS.append((before, after, int(batch.num_tokens), recorded, launch_ms, t0))
+        started[id(pending)] = (t0, recorded, launch_ms)
         return pending
 
     def result_timed(self):
         try:
             return result(self)
         finally:
-            SPANS.append(
-                [started.pop(id(self), time.time()), time.time(), int(self.batch.num_tokens)]
-            )
+            t0, recorded, launch_ms = started.pop(id(self), (time.time(), 0, 0.0))
+            SPANS.append([t0, time.time(), int(self.batch.num_tokens), recorded, launch_ms, t0])
 
     Scorer.launch = launch_timed
     PendingScore.result = result_timed
+    _instrument_host_steps()
+
+
+def _instrument_host_steps() -> None:
+    """Time the serving loop's steps on the consumer's main thread (HOST_STEPS), and the
+    garbage collector's passes there."""
+    import gc
+    import threading
+
+    from consumer import batch_runner, claims, control, intake, leader, prefetch, retention, scoring
+
+    main = threading.main_thread()
+    steps = {
+        "launch": (scoring.Scorer, "launch"),
+        "wait for results": (scoring.PendingScore, "result"),
+        "finish (store)": (batch_runner.BatchRunner, "_finish"),
+        "claimed entries": (prefetch.Prefetcher, "get"),
+        "plan": (leader, "plan_shared_microbatches"),
+        "pack": (batch_runner, "batch_from_jobs"),
+        "hand to writers": (batch_runner.BatchRunner, "_submit"),
+        "delivery counts": (claims.Claimer, "delivery_counts"),
+        "admit": (intake.Intake, "admit"),
+        "control": (control.Control, "check"),
+        "trim": (retention.Janitor, "maybe_trim"),
+    }
+    for name, (owner, attr) in steps.items():
+        fn = getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            if threading.current_thread() is not main:
+                return _fn(*a, **kw)
+            t0 = time.time()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                HOST_STEPS.append((_name, t0, time.time()))
+
+        setattr(owner, attr, timed)
+    gc_start: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if threading.current_thread() is not main:
+            return
+        if phase == "start":
+            gc_start[:] = [time.time()]
+        elif gc_start:
+            HOST_STEPS.append((f"gc gen{info.get('generation')}", gc_start[0], time.time()))
+
+    gc.callbacks.append(on_gc)
 
 
 def _device_spans() -> list[list[float]]:
-    """DEVICE_SPANS as [start, end, tokens] on the host clock."""
+    """DEVICE_SPANS as SPANS are: [start, end, tokens, recorded, launch_ms], on the host
+    clock."""
     import torch
 
     torch.cuda.synchronize()
     (ref, t_ref), batches = DEVICE_SPANS[0], DEVICE_SPANS[1:]
     return [
-        [t_ref + ref.elapsed_time(a) / 1e3, t_ref + ref.elapsed_time(b) / 1e3, tokens]
-        for a, b, tokens in batches
+        [t_ref + ref.elapsed_time(a) / 1e3, t_ref + ref.elapsed_time(b) / 1e3, *rest]
+        for a, b, *rest in batches
     ]
 
 
@@ -793,24 +853,66 @@ def _serve_window(spans: list, t0: float, t1: float) -> dict:
     inside = sorted(s for s in spans if s[0] >= t0 and s[1] <= t1)
     if not inside:
         return {}
-    # Batches overlap (one is queued while the previous is collected): busy is their union.
-    busy, end = 0.0, float("-inf")
-    for s, e, _ in inside:
+    # Batches overlap (one is queued while the previous is collected): busy is their union,
+    # and a gap is a stretch with none queued. A gap is put down to a recording when it ends
+    # at a batch whose launch recorded a CUDA graph, or at the batch after it (the host is
+    # then still catching up).
+    busy, end, gaps = 0.0, float("-inf"), []
+    for i, (s, e, _, recorded, *_) in enumerate(inside):
+        if end > float("-inf") and s > end:
+            near = recorded or inside[i - 1][3]
+            gaps.append((s - end, bool(near)))
         busy += max(0.0, e - max(s, end))
         end = max(end, e)
-    first, last = min(s for s, _, _ in inside), max(e for _, e, _ in inside)
+    first, last = min(s[0] for s in inside), max(s[1] for s in inside)
+    span = last - first
+    recorded_gaps = sum(g for g, near in gaps if near)
+    launch = {flag: [s[4] for s in inside if s[3] == flag] for flag in (0, 1)}
     return {
         "batches": len(inside),
         "busy_s": round(busy, 4),
         # Device idle between batches: time from the first batch's start to the last batch's
         # end during which no batch was between launch and collection.
-        "idle_between_batches": round(1 - busy / (last - first), 4),
+        "idle_between_batches": round(1 - busy / span, 4),
+        # The same, less the gaps at a recording: what a consumer idles once its buckets
+        # are recorded.
+        "idle_between_unrecorded": round(1 - (busy + recorded_gaps) / span, 4),
+        "gaps": len(gaps),
+        "max_gap_ms": round(1e3 * max((g for g, _ in gaps), default=0.0), 1),
+        # Host time of a batch's launch, replayed (or eager) against recording a graph.
+        "launch_ms": round(statistics.mean(launch[0]), 1) if launch[0] else None,
+        "launch_ms_recording": round(statistics.mean(launch[1]), 1) if launch[1] else None,
         # Everything that is not scoring in the client's view: submit, queue, store, wait.
         "idle_end_to_end": round(1 - busy / (t1 - t0), 4),
         # Of that: before the first batch (submit, claim) and after the last (store, wait).
         "fill_ms": round(1e3 * (first - t0), 1),
         "drain_ms": round(1e3 * (t1 - last), 1),
     }
+
+
+def _host_steps(spans: list, steps: list, window: dict, min_gap_s: float = 0.002) -> dict:
+    """What the consumer's main thread did before each batch it launched too late (the
+    device had run out of work for more than `min_gap_s`): host seconds per step between the
+    previous launch's end and the late launch's start, summed over those gaps (steps may
+    nest: "finish (store)" holds "wait for results")."""
+    inside = sorted(s for s in spans if window["t0"] <= s[0] and s[1] <= window["t1"])
+    late: dict[str, float] = {}
+    gaps = 0
+    end = float("-inf")
+    for i, (s, e, *_rest) in enumerate(inside):
+        if i and s - end > min_gap_s:
+            gaps += 1
+            prev = inside[i - 1]
+            since, until = prev[5] + prev[4] / 1e3, inside[i][5]
+            late["(gap)"] = late.get("(gap)", 0.0) + (s - end)
+            late["(host, previous launch to this one)"] = late.get(
+                "(host, previous launch to this one)", 0.0
+            ) + (until - since)
+            for name, t0, t1 in steps:
+                if t1 > since and t0 < until:
+                    late[name] = late.get(name, 0.0) + min(t1, until) - max(t0, since)
+        end = max(end, e)
+    return {"gaps": gaps, **{k: round(1e3 * v, 1) for k, v in late.items()}}
 
 
 def _capture_times(log_path: Path) -> list[float]:
@@ -917,11 +1019,13 @@ def run_e2e(
         captured = _capture_times(log_path)
         for w in windows.values():
             w.update(_serve_window(report["spans"], w["t0"], w["t1"]))
+            w["late_launches"] = _host_steps(report["spans"], report["host_steps"], w)
             # Recording a new bucket costs the host about one eager launch: say how many a
             # window holds (a long-running consumer has recorded its buckets).
             w["graphs_recorded"] = sum(w["t0"] <= t <= w["t1"] for t in captured)
         report["windows"] = windows
         report.pop("spans")
+        report.pop("host_steps")
         return report
     finally:
         stop_embedded(home)
@@ -1001,6 +1105,11 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
                 f"{w.get('graphs_recorded', 0)} graphs recorded), end to end "
                 f"{w.get('idle_end_to_end', float('nan')):.2%} (target <= 2%)"
             )
+            lines.append(f"(c) {kind}: {_gap_line(w)}")
+            if w.get("late_launches", {}).get("gaps"):
+                lines.append(
+                    f"(c) {kind}: late launches, host ms: {json.dumps(w['late_launches'])}"
+                )
         for path in ("direct_label", "direct_full", "direct_full_eager"):
             if "host_ms_per_batch" in d.get(path, {}):
                 lines.append(
@@ -1036,6 +1145,16 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
     return lines
 
 
+def _gap_line(w: dict) -> str:
+    """Where a window's idle went: the gaps at recordings, and the host's launches."""
+    unrecorded = w.get("idle_between_unrecorded", float("nan"))
+    return (
+        f"idle between batches less recording gaps {unrecorded:.2%}"
+        f" ({w.get('gaps')} gaps, longest {w.get('max_gap_ms')} ms); launch host "
+        f"{w.get('launch_ms')} ms, recording {w.get('launch_ms_recording')} ms"
+    )
+
+
 def _variant(text: str) -> dict[str, int]:
     """'cuda_graphs=0,batches_in_flight=1' -> consumer setting overrides."""
     pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
@@ -1064,7 +1183,7 @@ def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
                     f"{tok_s / 1e3:.1f}k tok/s c/a {tok_s / a:.2f} idle "
                     f"{w.get('idle_between_batches', float('nan')):.1%} / "
                     f"{w.get('idle_end_to_end', float('nan')):.1%} (fill {w.get('fill_ms')} "
-                    f"drain {w.get('drain_ms')} ms) rec {w.get('graphs_recorded')}"
+                    f"drain {w.get('drain_ms')} ms) rec {w.get('graphs_recorded')}; " + _gap_line(w)
                 )
             lines.append(f"{name} {kind}: " + " | ".join(cells))
     return lines
