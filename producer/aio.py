@@ -39,8 +39,8 @@ from shared.results import decode_record, record_object
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import COMPLETE_SCRIPT, SUBMIT_SCRIPT, Entry, Fields, complete_call, submit_call
-from shared.trace_store import ensure_sink
-from shared.tracing import current_sink, end_span
+from shared.trace_store import ensure_sink, release_sink
+from shared.tracing import end_span
 from shared.weights import served_from_fields
 
 log = get_logger("teacherq.client")
@@ -70,10 +70,11 @@ class AsyncTeacherClient:
         self.settings = settings or load_settings()
         self.queue = self.settings.queue.name
         self.r = client or connect_async(self.settings.redis, max_connections=max_connections)
-        if trace_process is not None and current_sink() is None:
-            # As TeacherClient: `submit` spans recorded, by a sink thread on its own (blocking)
-            # connection, off the event loop.
-            ensure_sink(connect(self.settings.redis), self.settings.queue, process=trace_process)
+        # As TeacherClient: `submit` spans recorded, by a sink thread on its own (blocking)
+        # connection, off the event loop; `aclose` lets go.
+        self._holds_sink = trace_process is not None and ensure_sink(
+            connect(self.settings.redis), self.settings.queue, process=trace_process
+        )
         self._store = store
         self._submit = self.r.register_script(SUBMIT_SCRIPT)
         self._complete = self.r.register_script(COMPLETE_SCRIPT)
@@ -357,6 +358,9 @@ class AsyncTeacherClient:
         await self.r.aclose()
         if self._sync is not None:
             self._sync.close()
+        if self._holds_sink:  # the sink's last write blocks: off the event loop
+            self._holds_sink = False
+            await asyncio.to_thread(release_sink)
 
     async def __aenter__(self) -> AsyncTeacherClient:
         return self

@@ -23,7 +23,7 @@ from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Fields, StreamReply, Streams
-from shared.trace_store import ensure_sink
+from shared.trace_store import ensure_sink, release_sink
 from shared.tracing import end_span
 from shared.weights import UpdateRequest
 
@@ -52,10 +52,11 @@ class TeacherClient:
         self.r = client or connect(self.settings.redis)
         self.streams = Streams(self.r, self.queue, self.settings.queue.group)
         self._store = store
-        if trace_process is not None:
-            # Unless this process already records spans, its `submit` spans go to Redis (and
-            # to an OTLP collector if OTEL_EXPORTER_OTLP_* is set), as the CLI's do.
-            ensure_sink(self.r, self.settings.queue, process=trace_process)
+        # Unless this process already records spans, its `submit` spans go to Redis (and to an
+        # OTLP collector if OTEL_EXPORTER_OTLP_* is set), as the CLI's do; `close` lets go.
+        self._holds_sink = trace_process is not None and ensure_sink(
+            self.r, self.settings.queue, process=trace_process
+        )
 
     @property
     def store(self) -> ObjectStore:
@@ -342,7 +343,11 @@ class TeacherClient:
         return req
 
     def close(self) -> None:
-        """Close the Redis connection pool."""
+        """Close the Redis connection pool; the last client open writes out the `submit`
+        spans it recorded and stops recording."""
+        if self._holds_sink:
+            self._holds_sink = False
+            release_sink()
         self.r.close()
 
     def __enter__(self) -> TeacherClient:

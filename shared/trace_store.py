@@ -205,21 +205,54 @@ def install_sink(
     return sink
 
 
+class _Default:
+    """The sink clients install when the process chose none (`ensure_sink`), and how many
+    open clients hold it."""
+
+    lock = threading.Lock()
+    sink: SpanSink | None = None
+    holders = 0
+
+
 def ensure_sink(client: redis.Redis, queue: QueueSettings, *, process: str) -> bool:
     """`install_sink` with the queue's trace settings, unless this process already records
-    its spans (its main() chose a sink). What every client does when it is built, so a job
-    submitted from the Python API has its `submit` span in `teacherq trace` as from the CLI.
-    Returns whether it installed one."""
-    if current_sink() is not None:
-        return False
-    install_sink(
-        client,
-        queue.name,
-        process=process,
-        ttl_s=queue.trace_ttl_s,
-        sample_rate=queue.trace_sample_rate,
-    )
-    return True
+    its spans. What every client does when it is built, so a job submitted from the Python
+    API has its `submit` span in `teacherq trace` as from the CLI.
+
+    Clients open at once share the first one's sink. Returns whether this client holds it:
+    then it calls `release_sink()` when it closes, and the last holder to do so flushes and
+    closes the sink, so a client built afterwards records to its own Redis and queue. False
+    when main() chose the sink (`install_sink`, `tracing.configure_sink`): that one stays."""
+    with _Default.lock:
+        current = current_sink()
+        if current is not None and current is not _Default.sink:
+            return False
+        if current is None:  # none yet, or ours was replaced behind our back
+            install_sink(
+                client,
+                queue.name,
+                process=process,
+                ttl_s=queue.trace_ttl_s,
+                sample_rate=queue.trace_sample_rate,
+            )
+            _Default.sink, _Default.holders = current_sink(), 0
+        _Default.holders += 1
+        return True
+
+
+def release_sink() -> None:
+    """A client that `ensure_sink` returned True to is closing: the last one stops recording
+    to the shared sink, flushes it and closes it."""
+    with _Default.lock:
+        _Default.holders -= 1
+        if _Default.holders > 0 or _Default.sink is None:
+            return
+        sink, _Default.sink, _Default.holders = _Default.sink, None, 0
+        if current_sink() is sink:
+            configure_sink(None)
+    close = getattr(sink, "close", None)
+    if close is not None:
+        close()
 
 
 class _Tee:

@@ -9,6 +9,7 @@ runs in its own process, so the trace really crosses processes through Redis.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from consumer.metrics import ConsumerMetrics
-from producer import TeacherClient, TeacherRequest
+from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
 from producer.progress import WaitProgress
 from producer.status import render, snapshot
 from shared import keys, tracing
@@ -218,6 +219,46 @@ def test_a_failing_redis_drops_spans_without_raising(settings: Settings) -> None
     finally:
         tracing.configure_sink(previous)
         sink.close()
+
+
+def test_clients_built_one_after_another_record_to_their_own_queue(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """A client installs the process's span sink for its own queue (the process chose none);
+    a client open at the same time shares it; once both are closed, a client of another queue
+    records there, not to the first queue (whose Redis may be gone by then). Closing writes
+    out what was recorded."""
+    tracing.configure_sink(None)
+    q2 = f"{settings.queue.name}-2"
+    other = settings.model_copy(update={"queue": settings.queue.model_copy(update={"name": q2})})
+    first, shared = TeacherClient(settings), TeacherClient(settings)
+    [a] = first.submit([TeacherRequest(input_ids=[1, 2, 3])])
+    first.close()
+    [b] = shared.submit([TeacherRequest(input_ids=[4, 5, 6])])  # still recorded: shared holds it
+    shared.close()
+    assert tracing.current_sink() is None
+    later = TeacherClient(other)
+    [c] = later.submit([TeacherRequest(input_ids=[7, 8, 9])])
+    later.close()
+
+    async def submit_async() -> str:  # the asyncio client lets go of its sink as well
+        async with AsyncTeacherClient(settings) as client:
+            [job] = await client.submit([TeacherRequest(input_ids=[1, 5, 9])])
+        return job
+
+    d = asyncio.run(submit_async())
+    assert tracing.current_sink() is None
+    mine, theirs = TraceStore(r, settings.queue.name), TraceStore(r, q2)
+    for job, store, elsewhere in (
+        (a, mine, theirs),
+        (b, mine, theirs),
+        (c, theirs, mine),
+        (d, mine, theirs),
+    ):
+        trace = store.trace_of_job(job)
+        assert trace is not None, job
+        assert [s["name"] for s in store.spans(trace)] == ["submit"], job
+        assert elsewhere.trace_of_job(job) is None, job
 
 
 def test_trace_crosses_processes_and_the_cli_prints_it(
