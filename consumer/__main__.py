@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 
@@ -23,6 +25,8 @@ def main() -> int:
         return CONFIG
     rank = int(os.environ.get("RANK", 0))
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=rank)
+    # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from consumer.preflight import UnsafeRedis, preflight
 
     try:

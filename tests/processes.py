@@ -76,10 +76,23 @@ def run_with_terminal_stderr(
 
 
 def terminate(proc: subprocess.Popen, *, timeout: float = 30.0) -> int:
-    """Ask `proc` to stop (SIGTERM, as a supervisor does) and return its exit code; raises
-    subprocess.TimeoutExpired if it has not exited within `timeout` seconds."""
+    """Ask `proc` to stop (SIGTERM, as a supervisor does) and return its exit code. If it has
+    not exited within `timeout` seconds, raises subprocess.TimeoutExpired; for a consumer
+    (`log_path` set, as `start_consumer` does) an AssertionError instead, after asking it for
+    its threads' stacks (SIGUSR1), with the end of its log, stacks included."""
     proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=timeout)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log_path = getattr(proc, "log_path", None)
+        if log_path is None:
+            raise
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        tail = Path(log_path).read_text(errors="replace")[-12000:]
+        raise AssertionError(
+            f"still running {timeout:g} s after SIGTERM; its log ends:\n{tail}"
+        ) from None
 
 
 def stop_all(procs: Iterable[subprocess.Popen], *, timeout: float = 30.0) -> None:
