@@ -87,6 +87,11 @@ class BatchRunner:
         self._last_finish = 0.0
 
     @property
+    def last_finish(self) -> float:
+        """When the last batch finished (time.perf_counter; 0.0 before any)."""
+        return self._last_finish
+
+    @property
     def has_inflight(self) -> bool:
         """Whether a batch is launched and not yet finished."""
         return bool(self._inflight)

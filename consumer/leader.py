@@ -182,7 +182,9 @@ class Leader:
         )
         self.janitor = Janitor(client, self.streams.jobs, interval_s=c.janitor_interval_s)
         self._counter_lock = threading.Lock()
-        self._busy_streak = False
+        self._busy_streak = False  # work at hand since the queue last ran dry
+        # The streak's start (perf_counter), and the busy and idle seconds counted before it.
+        self._streak = (0.0, 0.0, 0.0)
 
     def _describe(self) -> dict:
         c = self.counters
@@ -272,21 +274,23 @@ class Leader:
         while True:
             if runner.has_inflight and not fetcher.ahead:
                 runner.finish_inflight()  # claiming inline blocks: nothing may wait on it
-            t_wait = time.perf_counter()
+                self._count_idle()
             # With a batch in flight, only take entries already claimed: if there are none,
             # store that batch's results now rather than after a blocking read.
             wait_s = 0.0 if runner.has_inflight else self.c.block_ms / 1000
             entries = fetcher.get(timeout_s=wait_s)
             if entries is None:  # stopped and nothing left in hand
                 runner.finish_inflight()
+                self._count_idle()
                 return
             if not entries and runner.has_inflight:
                 # None claimed yet: store the oldest batch's results, then look again, so the
                 # device keeps the rest while the next entries may still arrive.
                 runner.finish_oldest()
+                self._count_idle()
                 continue
             if entries:
-                self._work(entries, waited=time.perf_counter() - t_wait)
+                self._work(entries)
                 fetcher.processed()
             elif self.stop.requested:
                 self._busy_streak = False
@@ -299,23 +303,28 @@ class Leader:
             self.control.check()
             self.janitor.maybe_trim()
 
-    def _work(self, entries: list[Entry], *, waited: float) -> None:
-        """Process claimed entries and charge the device's idle time.
-
-        Idle = waiting for entries that were already there (the prefetcher was behind) +
-        everything in processing that is not scoring (decode, checks, handing results to the
-        writers)."""
-        waited = waited if self._busy_streak else 0.0
-        busy_before = self.counters.busy_s
-        t_proc = time.perf_counter()
+    def _work(self, entries: list[Entry]) -> None:
+        """Process claimed entries; the first after the queue ran dry starts a busy streak."""
+        if not self._busy_streak:
+            self._streak = (time.perf_counter(), self.counters.busy_s, self.counters.idle_s)
         self.control.wake()
         self.heartbeat.state = "busy"
         self.metrics.tick("busy")
         self._process_until_done(entries)
-        spent = time.perf_counter() - t_proc
-        self.counters.idle_s += waited + spent - (self.counters.busy_s - busy_before)
         self._busy_streak = True
+        self._count_idle()
         self.control.worked()
+
+    def _count_idle(self) -> None:
+        """The device's idle seconds: those before this busy streak, plus the streak's time up
+        to its last finished batch that no batch was in flight (claiming, decoding, checks,
+        storing results while nothing was queued). Batches overlap calls (some stay in
+        flight), so the device's busy time is set against the streak's whole span."""
+        if not self._busy_streak:
+            return
+        start, busy0, idle0 = self._streak
+        span = max(0.0, self.runner.last_finish - start)
+        self.counters.idle_s = idle0 + max(0.0, span - (self.counters.busy_s - busy0))
 
     def _batch_size(self) -> int:
         """Jobs per read: a share of the configured total across live replicas, if set."""

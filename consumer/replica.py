@@ -27,7 +27,7 @@ class Counters:
     tokens: int = 0
     batches: int = 0
     busy_s: float = 0.0  # time the group spent scoring
-    idle_s: float = 0.0  # time with work available but the group not scoring (see Leader.run)
+    idle_s: float = 0.0  # time with work at hand but no batch in flight (Leader._count_idle)
     prefix_tokens_saved: int = 0  # tokens not computed thanks to shared prompts
 
     @property

@@ -167,14 +167,16 @@ def test_batches_stay_in_flight_while_results_are_stored(
 ) -> None:
     """`consumer.batches_in_flight` batches stay launched while the host stores an older
     batch's results: in the consumer's log, at most `in_flight` + 1 batches are started and
-    not yet stored, and with the queue full that many are; every job completes once."""
+    not yet stored, and with the queue full that many are; every job completes once. The
+    device's idle share the consumer reports stays a share (overlapping batches once made
+    it negative)."""
     s = fast(settings, batch_max_jobs=1, batches_in_flight=in_flight)
     s = s.model_copy(update={"log": s.log.model_copy(update={"level": "debug", "format": "json"})})
     client = TeacherClient(s)
     ids = client.submit(job_set(12, seed=5))  # queued before the consumer starts: it never waits
     proc = start_consumer(s)
     assert all(r.ok for r in client.wait(ids, timeout=120))
-    open_batches, most = set(), 0
+    open_batches, most, idle = set(), 0, []
     for line in proc.log_path.read_text().splitlines():  # type: ignore[attr-defined]
         event = json.loads(line) if line.startswith("{") else {}
         if event.get("event") == "batch.start":
@@ -182,7 +184,14 @@ def test_batches_stay_in_flight_while_results_are_stored(
             most = max(most, len(open_batches))
         elif event.get("event") == "batch.done":
             open_batches.discard(event["batch_id"])
+            idle.append(event["device_idle_fraction"])
     assert most == in_flight + 1, "launched, not yet stored: the ones left plus the newest"
+    assert len(idle) == 12 and all(0.0 <= f < 1.0 for f in idle), idle
+    terminate(proc)
+    stopped = [
+        json.loads(x) for x in proc.log_path.read_text().splitlines() if "consumer.stopped" in x
+    ]  # type: ignore[attr-defined]
+    assert len(stopped) == 1 and stopped[0]["idle_s"] >= 0.0 and stopped[0]["busy_s"] > 0.0
     assert_exactly_once(client, ids)
 
 
