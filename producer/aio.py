@@ -73,7 +73,7 @@ class AsyncTeacherClient:
         # As TeacherClient: `submit` spans recorded, by a sink thread on its own (blocking)
         # connection, off the event loop; `aclose` lets go.
         self._holds_sink = trace_process is not None and ensure_sink(
-            connect(self.settings.redis), self.settings.queue, process=trace_process
+            lambda: connect(self.settings.redis), self.settings.queue, process=trace_process
         )
         self._store = store
         self._submit = self.r.register_script(SUBMIT_SCRIPT)

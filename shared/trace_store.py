@@ -33,7 +33,8 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import redis
 
@@ -214,7 +215,9 @@ class _Default:
     holders = 0
 
 
-def ensure_sink(client: redis.Redis, queue: QueueSettings, *, process: str) -> bool:
+def ensure_sink(
+    client: redis.Redis | Callable[[], redis.Redis], queue: QueueSettings, *, process: str
+) -> bool:
     """`install_sink` with the queue's trace settings, unless this process already records
     its spans. What every client does when it is built, so a job submitted from the Python
     API has its `submit` span in `teacherq trace` as from the CLI.
@@ -222,14 +225,20 @@ def ensure_sink(client: redis.Redis, queue: QueueSettings, *, process: str) -> b
     Clients open at once share the first one's sink. Returns whether this client holds it:
     then it calls `release_sink()` when it closes, and the last holder to do so flushes and
     closes the sink, so a client built afterwards records to its own Redis and queue. False
-    when main() chose the sink (`install_sink`, `tracing.configure_sink`): that one stays."""
+    when main() chose the sink (`install_sink`, `tracing.configure_sink`): that one stays.
+    `client` may be a function making one, called only if a sink is installed."""
     with _Default.lock:
         current = current_sink()
         if current is not None and current is not _Default.sink:
             return False
         if current is None:  # none yet, or ours was replaced behind our back
+            # A client (redis.Redis, or a cluster client typed as one), or a function making it.
+            if hasattr(client, "execute_command"):
+                made = cast(redis.Redis, client)
+            else:
+                made = cast(Callable[[], redis.Redis], client)()
             install_sink(
-                client,
+                made,
                 queue.name,
                 process=process,
                 ttl_s=queue.trace_ttl_s,
