@@ -795,8 +795,8 @@ def _instrument_host_steps() -> None:
 
 
 def _device_spans() -> list[list[float]]:
-    """DEVICE_SPANS as SPANS are: [start, end, tokens, recorded, launch_ms], on the host
-    clock."""
+    """DEVICE_SPANS as SPANS are: [start, end, tokens, recorded, launch_ms, launch_t0], on
+    the host clock."""
     import torch
 
     torch.cuda.synchronize()
@@ -849,24 +849,34 @@ def _submit_and_wait(client, calls: list[list], timeout: float) -> tuple[float, 
     return t0, time.time(), results
 
 
+def _inside(spans: list, t0: float, t1: float) -> list:
+    """The spans of batches served within [t0, t1], by start."""
+    return sorted(s for s in spans if s[0] >= t0 and s[1] <= t1)
+
+
+def _gaps(inside: list) -> list[tuple[int, float]]:
+    """(i, seconds) for each stretch with no batch queued, ending where batch i of `inside`
+    starts. Batches overlap (one is queued while the previous is collected), so a gap is
+    time after every earlier batch ended."""
+    gaps, end = [], float("-inf")
+    for i, (s, e, *_rest) in enumerate(inside):
+        if i and s > end:
+            gaps.append((i, s - end))
+        end = max(end, e)
+    return gaps
+
+
 def _serve_window(spans: list, t0: float, t1: float) -> dict:
-    inside = sorted(s for s in spans if s[0] >= t0 and s[1] <= t1)
+    inside = _inside(spans, t0, t1)
     if not inside:
         return {}
-    # Batches overlap (one is queued while the previous is collected): busy is their union,
-    # and a gap is a stretch with none queued. A gap is put down to a recording when it ends
-    # at a batch whose launch recorded a CUDA graph, or at the batch after it (the host is
-    # then still catching up).
-    busy, end, gaps = 0.0, float("-inf"), []
-    for i, (s, e, _, recorded, *_) in enumerate(inside):
-        if end > float("-inf") and s > end:
-            near = recorded or inside[i - 1][3]
-            gaps.append((s - end, bool(near)))
-        busy += max(0.0, e - max(s, end))
-        end = max(end, e)
-    first, last = min(s[0] for s in inside), max(s[1] for s in inside)
+    gaps = _gaps(inside)
+    first, last = inside[0][0], max(s[1] for s in inside)
     span = last - first
-    recorded_gaps = sum(g for g, near in gaps if near)
+    busy = span - sum(g for _, g in gaps)  # the union of the batches' spans
+    # A gap is put down to a recording when it ends at a batch whose launch recorded a CUDA
+    # graph, or at the batch after it (the host is then still catching up).
+    recorded_gaps = sum(g for i, g in gaps if inside[i][3] or inside[i - 1][3])
     launch = {flag: [s[4] for s in inside if s[3] == flag] for flag in (0, 1)}
     return {
         "batches": len(inside),
@@ -878,7 +888,7 @@ def _serve_window(spans: list, t0: float, t1: float) -> dict:
         # are recorded.
         "idle_between_unrecorded": round(1 - (busy + recorded_gaps) / span, 4),
         "gaps": len(gaps),
-        "max_gap_ms": round(1e3 * max((g for g, _ in gaps), default=0.0), 1),
+        "max_gap_ms": round(1e3 * max((g for _, g in gaps), default=0.0), 1),
         # Host time of a batch's launch, replayed (or eager) against recording a graph.
         "launch_ms": round(statistics.mean(launch[0]), 1) if launch[0] else None,
         "launch_ms_recording": round(statistics.mean(launch[1]), 1) if launch[1] else None,
@@ -895,23 +905,21 @@ def _host_steps(spans: list, steps: list, window: dict, min_gap_s: float = 0.002
     device had run out of work for more than `min_gap_s`): host seconds per step between the
     previous launch's end and the late launch's start, summed over those gaps (steps may
     nest: "finish (store)" holds "wait for results")."""
-    inside = sorted(s for s in spans if window["t0"] <= s[0] and s[1] <= window["t1"])
+    inside = _inside(spans, window["t0"], window["t1"])
     late: dict[str, float] = {}
     gaps = 0
-    end = float("-inf")
-    for i, (s, e, *_rest) in enumerate(inside):
-        if i and s - end > min_gap_s:
-            gaps += 1
-            prev = inside[i - 1]
-            since, until = prev[5] + prev[4] / 1e3, inside[i][5]
-            late["(gap)"] = late.get("(gap)", 0.0) + (s - end)
-            late["(host, previous launch to this one)"] = late.get(
-                "(host, previous launch to this one)", 0.0
-            ) + (until - since)
-            for name, t0, t1 in steps:
-                if t1 > since and t0 < until:
-                    late[name] = late.get(name, 0.0) + min(t1, until) - max(t0, since)
-        end = max(end, e)
+    for i, gap in _gaps(inside):
+        if gap <= min_gap_s:
+            continue
+        gaps += 1
+        prev = inside[i - 1]
+        since, until = prev[5] + prev[4] / 1e3, inside[i][5]
+        late["(gap)"] = late.get("(gap)", 0.0) + gap
+        host = "(host, previous launch to this one)"
+        late[host] = late.get(host, 0.0) + (until - since)
+        for name, t0, t1 in steps:
+            if t1 > since and t0 < until:
+                late[name] = late.get(name, 0.0) + min(t1, until) - max(t0, since)
     return {"gaps": gaps, **{k: round(1e3 * v, 1) for k, v in late.items()}}
 
 
