@@ -10,11 +10,13 @@ STAMP := $(VENV)/.teacherq-installed
 # A CPU machine must not pull a multi-GB CUDA build: pin the torch wheel (on our CI machines
 # torch 2.13.0 CPU lies on local disk). On a GPU host, install your CUDA torch first.
 TORCH_SPEC ?= torch==2.13.0
-# The longer fault-tolerance and layout variants carry the `slow` marker: run them with
-# `make test PYTEST_ARGS='-m slow'` (or `-m ""` for everything).
+# The longer fault-tolerance and layout variants carry the `slow` marker: `make test-all` runs
+# everything, `make test PYTEST_ARGS='-m slow'` only them (docs/development.md lists them).
 PYTEST_ARGS ?= -m "not slow"
+# Every run ends with the slowest tests, so the next person sees where the time goes.
+DURATIONS := --durations=15 --durations-min=1
 
-.PHONY: demo test lint setup clean browser
+.PHONY: demo test test-all test-stress lint setup clean browser
 
 setup: $(STAMP)
 
@@ -41,7 +43,15 @@ browser:
 	  else echo "install Debian's chromium (sudo apt-get install chromium) for the trace page test"; fi; }
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(DURATIONS) $(PYTEST_ARGS)
+
+test-all: $(STAMP) browser
+	$(PY) -m pytest -q $(DURATIONS) -m ""
+
+# The suite beside two CPU-burning processes (scripts/test_stress.sh); e.g. the modules that
+# start processes, three times: make test-stress PYTEST_ARGS='-m "not slow" tests/integration'
+test-stress: $(STAMP) browser
+	scripts/test_stress.sh $(PY) -q $(DURATIONS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

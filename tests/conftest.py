@@ -15,9 +15,36 @@ import pytest
 import redis
 
 from shared.settings import Settings, to_env
+from tests import isolation
 from tests.processes import Valkey, stop_all
+from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[1]
+OUTSIDE_READS = isolation.install()
+DEFAULT_TEST_TIMEOUT_S = 600  # pytest-timeout's limit for a test that sets none, before scaling
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test's pytest-timeout limit (its own marker, or the default) is stretched by
+    TEACHERQ_TEST_TIMEOUT_SCALE, like every other deadline (tests/timing.py)."""
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        limit = marker.args[0] if marker is not None and marker.args else DEFAULT_TEST_TIMEOUT_S
+        item.add_marker(pytest.mark.timeout(scaled(limit)))
+
+
+@pytest.fixture(autouse=True)
+def _reads_stay_inside_the_checkout() -> Iterator[None]:
+    """Fail a test that opened a path beside the repository (`../shared`, a sibling checkout)
+    or in the user's own teacherq state: a fresh clone has neither (tests/isolation.py)."""
+    OUTSIDE_READS.take()
+    yield
+    opened = OUTSIDE_READS.take()
+    if opened:
+        pytest.fail(
+            f"the test opened {len(opened)} path(s) outside the checkout and the temp dir: "
+            + ", ".join(sorted(set(opened))[:5])
+        )
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +170,9 @@ def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
     stop_all(procs)
 
 
-def wait_for_consumers(settings: Settings, *, count: int, proc=None, timeout: float = 120) -> None:
+def wait_for_consumers(
+    settings: Settings, *, count: int, proc=None, timeout: float = scaled(120)
+) -> None:
     """Block until `count` consumers of the queue report ready (poll: start-up only)."""
     from producer.client import TeacherClient
 
@@ -161,7 +190,7 @@ def wait_for_consumers(settings: Settings, *, count: int, proc=None, timeout: fl
         time.sleep(0.1)
 
 
-def wait_consumer_state(client, state: str, timeout: float = 30) -> None:
+def wait_consumer_state(client, state: str, timeout: float = scaled(30)) -> None:
     """Block until the queue's one consumer reports `state` in its heartbeat (poll)."""
 
     def current() -> str:

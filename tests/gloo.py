@@ -1,6 +1,6 @@
 """Run a function on N spawned processes joined in a gloo process group (CPU collectives in tests).
 
-    results = run_gloo(4, worker, arg1, arg2, timeout=120)
+    results = run_gloo(4, worker, arg1, arg2, timeout=scaled(120))
 
 `worker(rank, world_size, *args)` must be importable by the spawned children (a module-level
 function of a test module or helper). Its return value travels back pickled; an exception in
@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.timing import scaled
 
 
 class ChildFailed(AssertionError):
@@ -71,7 +73,7 @@ def run_gloo(
     world_size: int,
     fn: Callable[..., Any],
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float = scaled(120.0),
     threads: int = 1,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return values by rank.
@@ -119,11 +121,11 @@ def run_gloo(
                 failures.append(f"rank {rank} raised:\n{payload}")
     finally:
         for proc in procs:
-            proc.join(timeout=0.5 if failures else 10)
+            proc.join(timeout=0.5 if failures else scaled(10))
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
-                proc.join(timeout=5)
+                proc.join(timeout=scaled(5))
         with contextlib.suppress(Exception):
             results.close()
     if failures:

@@ -21,6 +21,7 @@ from redis.crc import key_slot
 
 from shared.redis_server import free_port, server_args, server_binary, wait_ready
 from shared.settings import Settings, to_env
+from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def run_cli(
     stdin: str | None = None,
     env: dict[str, str | None] | None = None,
     cwd: Path = REPO,
-    timeout: float = 120,
+    timeout: float = scaled(120),
 ) -> subprocess.CompletedProcess:
     """Run `teacherq ARGS` (this checkout's code) with the test's settings and capture
     everything as text. TEACHERQ_* variables of the test process are left out; an `env`
@@ -52,7 +53,7 @@ def run_cli(
 
 
 def run_with_terminal_stderr(
-    cmd: list[str], *, env: dict[str, str], cwd: Path = REPO, timeout: float = 60
+    cmd: list[str], *, env: dict[str, str], cwd: Path = REPO, timeout: float = scaled(60)
 ) -> tuple[int, bytes, bytes]:
     """Run `cmd` with stderr on a pseudo-terminal (as a user's shell) and stdout on a pipe;
     return (exit code, what reached the terminal, stdout)."""
@@ -75,7 +76,7 @@ def run_with_terminal_stderr(
     return proc.returncode, seen, out
 
 
-def terminate(proc: subprocess.Popen, *, timeout: float = 30.0) -> int:
+def terminate(proc: subprocess.Popen, *, timeout: float = scaled(30.0)) -> int:
     """Ask `proc` to stop (SIGTERM, as a supervisor does) and return its exit code. If it has
     not exited within `timeout` seconds, raises subprocess.TimeoutExpired; for a consumer
     (`log_path` set, as `start_consumer` does) an AssertionError instead, after asking it for
@@ -95,7 +96,7 @@ def terminate(proc: subprocess.Popen, *, timeout: float = 30.0) -> int:
         ) from None
 
 
-def stop_all(procs: Iterable[subprocess.Popen], *, timeout: float = 30.0) -> None:
+def stop_all(procs: Iterable[subprocess.Popen], *, timeout: float = scaled(30.0)) -> None:
     """Fixture teardown: SIGTERM every live process, wait for each, SIGKILL what is left."""
     procs = list(procs)
     for p in procs:
@@ -106,7 +107,7 @@ def stop_all(procs: Iterable[subprocess.Popen], *, timeout: float = 30.0) -> Non
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait(timeout=10)
+            p.wait(timeout=scaled(10))
 
 
 class Valkey:
@@ -123,7 +124,7 @@ class Valkey:
     def _start(self) -> subprocess.Popen:
         args = server_args(data_dir=self.data_dir, port=self.port, daemonize=False)
         proc = subprocess.Popen([*args, *self.extra])
-        wait_ready(self.url, timeout=30)
+        wait_ready(self.url, timeout=scaled(30))
         return proc
 
     def restart(self) -> None:
@@ -133,11 +134,11 @@ class Valkey:
     def kill(self) -> None:
         """SIGKILL, as a crash: nothing is flushed beyond what the server had written."""
         self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=scaled(10))
 
     def stop(self) -> None:
         """Stop the server if it still runs (SIGTERM, then SIGKILL)."""
-        stop_all([self.proc], timeout=10)
+        stop_all([self.proc], timeout=scaled(10))
 
 
 def _wait(what: str, check: Callable[[], bool], *, timeout: float) -> None:
@@ -198,13 +199,13 @@ class ValkeyCluster:
                 for x in self.nodes
             )
 
-        _wait("every node knowing every other", all_known, timeout=30)
+        _wait("every node knowing every other", all_known, timeout=scaled(30))
         for primary, replica in zip(self.nodes[:masters], self.nodes[masters:], strict=True):
             node_id = self.client(primary).execute_command("CLUSTER MYID")
             self.client(replica).execute_command("CLUSTER REPLICATE", node_id)
         self.wait_ok()
 
-    def wait_ok(self, *, timeout: float = 30.0) -> None:
+    def wait_ok(self, *, timeout: float = scaled(30.0)) -> None:
         """Block until every live node reports cluster_state:ok and every slot is served."""
 
         def ok() -> bool:
@@ -232,7 +233,7 @@ class ValkeyCluster:
 
     def stop(self) -> None:
         """Stop every node that still runs."""
-        stop_all([n.proc for n in self.nodes], timeout=10)
+        stop_all([n.proc for n in self.nodes], timeout=scaled(10))
 
 
 class ValkeySentinel:
@@ -249,7 +250,7 @@ class ValkeySentinel:
         )
         self.ports: list[int] = []
         try:
-            _wait("replica in sync", self._synced, timeout=30)
+            _wait("replica in sync", self._synced, timeout=scaled(30))
             for i in range(3):
                 self._start_sentinel(_mkdir(root / f"sentinel{i}"), down_after_ms)
         except BaseException:
@@ -276,7 +277,7 @@ class ValkeySentinel:
             subprocess.Popen([str(server_binary()), str(conf), "--sentinel", "--logfile", str(log)])
         )
         self.ports.append(port)
-        wait_ready(f"redis://127.0.0.1:{port}", timeout=30)
+        wait_ready(f"redis://127.0.0.1:{port}", timeout=scaled(30))
 
     def master_port(self) -> int:
         """The primary's port as the sentinels see it now."""
@@ -288,7 +289,7 @@ class ValkeySentinel:
                 continue
         raise LookupError("no sentinel answered")
 
-    def wait_replicated(self, *, timeout: float = 60.0) -> None:
+    def wait_replicated(self, *, timeout: float = scaled(60.0)) -> None:
         """Block until the primary the sentinels name has a replica in sync (after a
         failover, the restarted old primary is turned into one; sentinels look every few s)."""
 
@@ -304,7 +305,7 @@ class ValkeySentinel:
 
     def stop(self) -> None:
         """Stop the sentinels and both servers."""
-        stop_all(self.sentinels, timeout=10)
+        stop_all(self.sentinels, timeout=scaled(10))
         self.primary.stop()
         self.replica.stop()
 

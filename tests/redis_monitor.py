@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import redis
 
+from tests.timing import scaled
+
 
 @dataclass(frozen=True)
 class Command:
@@ -45,5 +47,5 @@ def monitored(url: str) -> Iterator[list[Command]]:
         yield seen
     finally:
         redis.Redis.from_url(url).echo(end)
-        thread.join(timeout=30)
+        thread.join(timeout=scaled(30))
         assert not thread.is_alive(), "MONITOR did not see its end marker"

@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from tests.timing import scaled
+
 ACCESS_KEY_ID = "testing"
 SECRET_ACCESS_KEY = "testing"
 REGION = "us-east-1"
@@ -142,7 +144,7 @@ class S3Server:
 
     def _answers(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1.0) as resp:
+            with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=scaled(1.0)) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False

@@ -17,6 +17,7 @@ from shared import tracing
 from shared.settings import Settings
 from tests.integration.test_pipeline import _requests
 from tests.reference import tiny_full_log_softmax
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +111,7 @@ def test_async_results_match_sync_client_and_reference(
         async with AsyncTeacherClient(s) as client:
             [job] = await client.submit([TeacherRequest(input_ids=[9, 8, 7])])
             await client.cancel(job)
-            return job, await client.wait([job], timeout=10)
+            return job, await client.wait([job], timeout=scaled(10))
 
     cancel_job, [cancel_res] = asyncio.run(cancelled())
     assert cancel_res.error == "cancelled by the user"
@@ -119,8 +120,8 @@ def test_async_results_match_sync_client_and_reference(
     async def main() -> tuple[list[str], list]:
         async with AsyncTeacherClient(s) as client:
             ids = await client.submit(reqs)
-            seen = [res async for res in client.as_completed(ids, timeout=120)]
-            again = await client.wait(ids, timeout=5)  # all stored: returns at once
+            seen = [res async for res in client.as_completed(ids, timeout=scaled(120))]
+            again = await client.wait(ids, timeout=scaled(5))  # all stored: returns at once
             assert [r.job_id for r in again] == ids
             return ids, seen
 
@@ -129,7 +130,7 @@ def test_async_results_match_sync_client_and_reference(
     sync = TeacherClient(s)
     assert sync.submit(reqs) == ids  # same content ids: nothing new enqueued
     by_id = {r.job_id: r for r in seen}
-    for req, job_id, ref_res in zip(reqs, ids, sync.wait(ids, timeout=5), strict=True):
+    for req, job_id, ref_res in zip(reqs, ids, sync.wait(ids, timeout=scaled(5)), strict=True):
         res = by_id[job_id]
         assert res.ok, res.error
         assert res.arrays().keys() == ref_res.arrays().keys()
@@ -139,7 +140,7 @@ def test_async_results_match_sync_client_and_reference(
         want = ref[np.arange(req.num_tokens - 1), req.input_ids[1:]]
         np.testing.assert_allclose(res.logprobs, want, atol=2e-4)
     assert any((tmp_path / "objects").rglob("*.tqa*")), "some results should be in the store"
-    [still] = sync.wait([cancel_job], timeout=5)
+    [still] = sync.wait([cancel_job], timeout=scaled(5))
     assert still.error == "cancelled by the user"
 
     # Many concurrent tasks, each submitting its own job and waiting for it, on one client.
@@ -148,7 +149,7 @@ def test_async_results_match_sync_client_and_reference(
 
     async def one(client: AsyncTeacherClient, ids: np.ndarray) -> object:
         [job] = await client.submit([TeacherRequest(input_ids=ids)])
-        [res] = await client.wait([job], timeout=180)
+        [res] = await client.wait([job], timeout=scaled(180))
         return res
 
     async def crowd() -> list:
@@ -194,7 +195,7 @@ def test_async_client_fails_like_the_sync_one(settings: Settings) -> None:
                 await client.submit([TeacherRequest(input_ids=[7, 8, 9])])
             await client.cancel(job)
             with pytest.raises(JobFailed, match="cancelled by the user"):
-                await client.wait([job], timeout=5, raise_on_error=True)
+                await client.wait([job], timeout=scaled(5), raise_on_error=True)
             # The read above deleted the record (delete_result_on_read): gone from Redis.
             assert await client.results([job], strict=False) == [None]
 

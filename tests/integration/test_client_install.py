@@ -34,6 +34,7 @@ import asyncio, runpy
 import producer, producer.aio, producer.client, producer.gateway, producer.protocol
 import producer.cli, producer.status, producer.progress
 from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
+from tests.timing import scaled
 
 ids = TeacherClient().submit([TeacherRequest(input_ids=[1, 2, 3])])
 
@@ -41,7 +42,7 @@ async def main():
     async with AsyncTeacherClient() as client:
         assert await client.submit([TeacherRequest(input_ids=[1, 2, 3])]) == ids
         await client.cancel(ids[0])
-        [res] = await client.wait(ids, timeout=10)
+        [res] = await client.wait(ids, timeout=scaled(10))
         assert res.error == "cancelled by the user", res
 
 asyncio.run(main())

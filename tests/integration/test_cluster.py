@@ -26,6 +26,7 @@ from shared.redis_server import connect, connect_async
 from shared.settings import Settings
 from tests.integration.test_faults import assert_exactly_once, fast, job_set
 from tests.processes import ValkeyCluster, ValkeySentinel
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -102,14 +103,14 @@ def test_min_replicas_acked_refuses_when_no_replica_holds_the_write(tmp_path) ->
         server.stop()
 
 
-def _wait_some_done(client: TeacherClient, at_least: int, timeout: float = 120) -> None:
+def _wait_some_done(client: TeacherClient, at_least: int, timeout: float = scaled(120)) -> None:
     deadline = time.monotonic() + timeout
     while client.r.xlen(keys.done_stream(client.queue)) < at_least:
         assert time.monotonic() < deadline, f"fewer than {at_least} jobs done"
         time.sleep(0.1)
 
 
-def _until(check, timeout: float = 60) -> None:
+def _until(check, timeout: float = scaled(60)) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "no failover"
@@ -137,10 +138,10 @@ def test_primary_killed_mid_run_loses_nothing(cluster, start_consumer, tmp_path)
     _until(lambda: cluster.primary_of(keys.jobs_stream(names[0])).port != victim.port)
     victim.restart()  # rejoins as a replica of the promoted one: writes can be acked again
     cluster.wait_ok()
-    submitter.join(timeout=120)
+    submitter.join(timeout=scaled(120))
     assert late, "a submit across the failover did not return"
     for client, ids in zip(clients, [first[0] + late[0], first[1]], strict=True):
-        client.wait(ids, timeout=180)
+        client.wait(ids, timeout=scaled(180))
         assert_exactly_once(client, ids)
 
 
@@ -167,7 +168,7 @@ def test_two_primaries_killed_in_turn_three_queues_lose_nothing(
         for i, c in enumerate(clients):
             ids[i] += c.submit(job_set(5, seed=100 + 10 * round_ + i))
     for client, queue_ids in zip(clients, ids, strict=True):
-        client.wait(queue_ids, timeout=300)
+        client.wait(queue_ids, timeout=scaled(300))
         assert_exactly_once(client, queue_ids)
 
 
@@ -258,7 +259,7 @@ def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
         pair.primary.restart()  # the sentinels turn it into a replica of the promoted one
         pair.wait_replicated()  # until then no write can reach min_replicas_acked=1
         ids += client.submit(job_set(6, seed=5))  # lands on the promoted replica
-        client.wait(ids, timeout=180)
+        client.wait(ids, timeout=scaled(180))
         assert_exactly_once(client, ids)
     finally:
         pair.stop()

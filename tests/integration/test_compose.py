@@ -1,9 +1,9 @@
 """docker-compose.yml, proven without a Docker engine.
 
-Static part: the file is valid against the Compose Specification JSON schema (kept outside the
-repository, at ../shared/data/compose-spec.json) and says what the deployment relies on (AOF
-and noeviction, volumes, health checks, restart and stop policies, GPU reservations, scalable
-consumers, the TP profile).
+Static part: the file is valid against the Compose Specification JSON schema (the copy that the
+check-jsonschema package ships as its vendored built-in `compose-spec`, license included) and
+says what the deployment relies on (AOF and noeviction, volumes, health checks, restart and stop
+policies, GPU reservations, scalable consumers, the TP profile).
 
 Live part: every service's command runs with its environment as a local process. The redis
 command runs on the valkey-server binary; moto stands in for the S3 server (the bucket s3-setup
@@ -25,6 +25,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,11 @@ from shared import keys
 from shared.redis_server import free_port, server_binary, wait_ready
 from tests.conftest import REPO
 from tests.s3_server import S3Server, start_s3_server
+from tests.timing import scaled
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 COMPOSE_FILE = REPO / "docker-compose.yml"
-SCHEMA_FILE = REPO.parent / "shared" / "data" / "compose-spec.json"
 REDIS_HOST = "redis:6379"
 S3_ENDPOINT = "http://s3:9000"
 VOCAB = 1000  # the tiny preset's
@@ -136,21 +137,18 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def schema() -> dict[str, Any]:
-    """The Compose Specification JSON schema; its absence fails the tests that need it."""
-    if not SCHEMA_FILE.is_file():
-        pytest.fail(
-            f"Compose Specification schema not found at {SCHEMA_FILE}: it is read from the "
-            "shared data directory next to the repository (compose-spec/compose-spec, "
-            "schema/compose-spec.json) and is deliberately not copied into the repository"
-        )
-    return json.loads(SCHEMA_FILE.read_text())
+    """The Compose Specification JSON schema, as check-jsonschema vendors it (an installed
+    package: nothing is read from outside the repository or fetched)."""
+    vendored = resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    return json.loads(vendored.read_text(encoding="utf-8"))
 
 
 # --- static checks ----------------------------------------------------------------------------
 
 
 def test_compose_file_is_valid_against_the_compose_specification(schema) -> None:
-    validator = jsonschema.Draft7Validator(schema)
+    # The schema names its own draft (2020-12 in current releases).
+    validator = jsonschema.validators.validator_for(schema)(schema)
     raw = yaml.safe_load(COMPOSE_FILE.read_text())
     for model in (raw, load_compose()):
         errors = [f"{e.json_path}: {e.message}" for e in validator.iter_errors(model)]
@@ -351,7 +349,11 @@ class LocalStack:
         test = self.compose["services"][service]["healthcheck"]["test"]
         assert test[0] == "CMD"
         return subprocess.run(
-            test[1:], env=self.env(service), cwd=self.workdir, capture_output=True, timeout=60
+            test[1:],
+            env=self.env(service),
+            cwd=self.workdir,
+            capture_output=True,
+            timeout=scaled(60),
         )
 
     def client(self, monkeypatch: pytest.MonkeyPatch) -> TeacherClient:
@@ -400,16 +402,18 @@ def stack(compose, tmp_path: Path) -> Iterator[LocalStack]:
                 p.send_signal(signal.SIGTERM)
         for p in local.procs:
             try:
-                p.wait(timeout=60)
+                p.wait(timeout=scaled(60))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+                p.wait(timeout=scaled(10))
         s3.stop()
         redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+        redis_proc.wait(timeout=scaled(10))
 
 
-def _wait_ready(stack: LocalStack, client: TeacherClient, count: int, timeout: float = 180) -> None:
+def _wait_ready(
+    stack: LocalStack, client: TeacherClient, count: int, timeout: float = scaled(180)
+) -> None:
     """Poll the heartbeats until `count` consumers are ready (start-up only)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -456,7 +460,7 @@ def test_three_scaled_consumers_share_the_queue_and_drain_on_sigterm(
 
     reqs = _jobs(N_JOBS)
     ids = client.submit(reqs)
-    results = client.wait(ids, timeout=180)
+    results = client.wait(ids, timeout=scaled(180))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     for req, res in zip(reqs, results, strict=True):
         assert res.logprobs.shape == (req.num_tokens - 1,)
@@ -487,7 +491,7 @@ def test_three_scaled_consumers_share_the_queue_and_drain_on_sigterm(
     # SIGTERM: every replica finishes, records its final heartbeat and exits 0.
     for p in consumers:
         p.send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=60) for p in consumers]
+    codes = [p.wait(timeout=scaled(60)) for p in consumers]
     assert codes == [0] * REPLICAS, stack.logs()
     beats = client.consumers()
     assert len(beats) == REPLICAS
@@ -503,7 +507,7 @@ def test_worker_service_registers_an_rq_worker_and_stops_on_sigterm(stack) -> No
 
     conn = redis.Redis.from_url(stack.redis_url)
     proc = stack.start("worker", "worker")
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + scaled(90)
     while not (workers := Worker.all(connection=conn)):
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"no rq worker registered\n{stack.logs()}")
@@ -514,7 +518,7 @@ def test_worker_service_registers_an_rq_worker_and_stops_on_sigterm(stack) -> No
     assert worker.pid == proc.pid
 
     proc.send_signal(signal.SIGTERM)  # rq's warm shutdown: nothing in hand, so it leaves at once
-    assert proc.wait(timeout=60) == 0, stack.logs()
+    assert proc.wait(timeout=scaled(60)) == 0, stack.logs()
     assert Worker.all(connection=conn) == [], "the worker did not deregister"
 
 
@@ -530,12 +534,12 @@ def test_tp2_profile_serves_one_replica_over_two_ranks(
     assert health.returncode == 0, health.stderr.decode()[-2000:]
 
     reqs = _jobs(6)
-    results = client.wait(client.submit(reqs), timeout=180)
+    results = client.wait(client.submit(reqs), timeout=scaled(180))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert results[0].topk_logprobs.shape == (255, 64)
 
     proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=150)
+    code = proc.wait(timeout=scaled(150))
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
     # torchrun forwards SIGTERM to both ranks; it reports the signal itself with exit code 1.
     assert code in (0, 1), stack.logs()
@@ -556,11 +560,13 @@ def test_dp_profile_runs_one_replica_per_rank(stack, monkeypatch: pytest.MonkeyP
     assert sorted(name.rsplit("-", 1)[1] for name in client.consumers()) == ["dp0", "dp1"]
 
     reqs = _jobs(12)
-    results = client.wait(client.submit(reqs), timeout=180)
+    results = client.wait(client.submit(reqs), timeout=scaled(180))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
 
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=150) in (0, 1), stack.logs()  # 1: torchrun reporting the signal
+    assert proc.wait(timeout=scaled(150)) in (0, 1), (
+        stack.logs()
+    )  # 1: torchrun reporting the signal
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
     assert "SIGKILL" not in log and log.count('"consumer.stopped"') == 2, stack.logs()
     beats = client.consumers().values()

@@ -23,6 +23,7 @@ from tests.s3_server import (  # noqa: F401  (fixtures register under their shor
     s3_bucket_fixture,
     s3_server_fixture,
 )
+from tests.timing import scaled
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -114,7 +115,7 @@ def test_results_round_trip_through_s3_and_match_the_reference(
     client = TeacherClient(s)
     reqs = _requests(8)
     ids = client.submit(reqs)
-    results = client.wait(ids, timeout=120)
+    results = client.wait(ids, timeout=scaled(120))
 
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     for req, res in zip(reqs, results, strict=True):
@@ -141,7 +142,7 @@ def test_corrupted_or_missing_object_is_detected_on_read(
     start_consumer(s)
     client = TeacherClient(s)
     [job] = client.submit([TeacherRequest(input_ids=list(range(40)), top_k=8)])
-    [good] = client.wait([job], timeout=60)
+    [good] = client.wait([job], timeout=scaled(60))
     assert good.ok
 
     s3 = s3_server.client()
@@ -154,7 +155,7 @@ def test_corrupted_or_missing_object_is_detected_on_read(
     with pytest.raises(ChecksumMismatch, match="checksum mismatch"):
         TeacherClient(s).results([job])
     with pytest.raises(ChecksumMismatch):
-        client.wait([job], timeout=10)
+        client.wait([job], timeout=scaled(10))
 
     s3.put_object(Bucket=s3_bucket, Key=key, Body=original)  # repaired: readable again
     [again] = client.results([job])
@@ -177,7 +178,7 @@ def test_endpoint_and_credentials_fall_back_to_the_aws_environment(
         monkeypatch.setenv(name, value)
     client = TeacherClient(s)
     req = TeacherRequest(input_ids=[5, 9, 14, 2, 7], return_entropy=True)
-    [res] = client.wait(client.submit([req]), timeout=60)
+    [res] = client.wait(client.submit([req]), timeout=scaled(60))
 
     assert res.ok, res.error
     _assert_matches_reference(req, res)

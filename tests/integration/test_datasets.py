@@ -39,6 +39,7 @@ from shared.storage import ObjectStore
 from tests.conftest import REPO
 from tests.processes import run_cli, terminate
 from tests.s3_server import S3Server, s3_bucket_fixture, s3_server_fixture  # noqa: F401
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 VOCAB = 1000  # the tiny preset's
@@ -111,7 +112,7 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
     _wait_until(pids, "ZX")  # orphans' zombies are init's to reap
     return pids
 
@@ -285,7 +286,7 @@ def test_2000_rows_ingest_consume_export_equals_results(
     )
     assert dataset_id == want_id
     client = TeacherClient(settings)
-    rec = wait_state(client, dataset_id, ("done", "failed"), timeout=180, workers=(worker,))
+    rec = wait_state(client, dataset_id, ("done", "failed"), timeout=scaled(180), workers=(worker,))
     assert rec.state == "done", rec.error
     assert rec.total_rows == 2000 and rec.rows_queued == 2000 and rec.rows_rejected == 0
 
@@ -339,7 +340,7 @@ def test_killed_worker_mid_ingest_resumes_without_duplicates_or_gaps(
         slice_s=2.0,
     )
     worker = start_worker(settings)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while (rec := load_record(client.r, client.queue, done.dataset_id)).rows_queued < n // 5:
         assert time.monotonic() < deadline, worker.log_path.read_text()[-3000:]
         time.sleep(0.02)
@@ -362,10 +363,10 @@ def test_killed_worker_mid_ingest_resumes_without_duplicates_or_gaps(
     # rq finds the dead worker's job once its heartbeat expires and retries it. With rq's
     # defaults (heartbeat TTL + 60 s, maintenance every 10 min) this would take minutes.
     while load_record(client.r, client.queue, done.dataset_id).next_row == at_kill.next_row:
-        assert time.monotonic() - t0 < 60, second.log_path.read_text()[-3000:]
+        assert time.monotonic() - t0 < scaled(60), second.log_path.read_text()[-3000:]
         time.sleep(0.1)
     rec = wait_state(
-        client, done.dataset_id, ("done", "failed"), timeout=180, workers=(worker, second)
+        client, done.dataset_id, ("done", "failed"), timeout=scaled(180), workers=(worker, second)
     )
     assert rec.state == "done", rec.error
 
@@ -425,10 +426,12 @@ def test_bad_rows_fail_alone_and_are_reported(
         output=f"s3://{s3_bucket}/out/run1",
         keep_fields=("text",),
     )
-    rec = wait_state(client, done.dataset_id, ("ingested",), timeout=60, workers=(worker,))
+    rec = wait_state(client, done.dataset_id, ("ingested",), timeout=scaled(60), workers=(worker,))
     assert rec.rows_rejected == len(bad) and rec.rows_queued == 300 - len(bad)
     start_consumer(settings)
-    rec = wait_state(client, done.dataset_id, ("done", "failed"), timeout=120, workers=(worker,))
+    rec = wait_state(
+        client, done.dataset_id, ("done", "failed"), timeout=scaled(120), workers=(worker,)
+    )
     assert rec.state == "done", rec.error
 
     manifest, table = _read_export(ObjectStore.from_url(f"s3://{s3_bucket}/out/run1", **storage))
@@ -482,7 +485,7 @@ def test_replay_requeues_failed_rq_jobs_and_dead_letters(
     )
     src.rename(tmp_path / "away.jsonl")
     worker = start_worker(settings)
-    rec = wait_state(client, done.dataset_id, ("failed",), timeout=60, workers=(worker,))
+    rec = wait_state(client, done.dataset_id, ("failed",), timeout=scaled(60), workers=(worker,))
     assert "FileNotFoundError" in rec.error
     from rq import Queue
     from rq.serializers import JSONSerializer
@@ -491,7 +494,7 @@ def test_replay_requeues_failed_rq_jobs_and_dead_letters(
 
     failed = Queue(INGEST_QUEUE, connection=client.r, serializer=JSONSerializer)
     # rq runs the failure callback (which marked the dataset) just before filing the job.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not failed.failed_job_registry.get_job_ids() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert failed.failed_job_registry.get_job_ids() == [rec.rq_job]
@@ -499,11 +502,11 @@ def test_replay_requeues_failed_rq_jobs_and_dead_letters(
     (tmp_path / "away.jsonl").rename(src)  # the input is back
     summary = replay_dataset(client, done.dataset_id)
     assert summary["rq_jobs_requeued"] == [rec.rq_job] and summary["state"] == "ingesting"
-    rec = wait_state(client, done.dataset_id, ("ingested",), timeout=60, workers=(worker,))
+    rec = wait_state(client, done.dataset_id, ("ingested",), timeout=scaled(60), workers=(worker,))
     assert failed.failed_job_registry.get_job_ids() == []
 
     tiny = start_consumer(settings)
-    rec = wait_state(client, done.dataset_id, ("done",), timeout=120, workers=(worker,))
+    rec = wait_state(client, done.dataset_id, ("done",), timeout=scaled(120), workers=(worker,))
     manifest = json.loads(ObjectStore.from_url(str(tmp_path / "out")).get("manifest.json"))
     assert manifest["rows"]["failed"] == 2
     assert {f["row_index"] for f in manifest["failures"]} == set(poison)
@@ -516,7 +519,7 @@ def test_replay_requeues_failed_rq_jobs_and_dead_letters(
     start_consumer(big)
     summary = replay_dataset(client, done.dataset_id)
     assert summary["dead_letters"] == {"replayed": 2} and summary["state"] == "ingested"
-    rec = wait_state(client, done.dataset_id, ("done",), timeout=120, workers=(worker,))
+    rec = wait_state(client, done.dataset_id, ("done",), timeout=scaled(120), workers=(worker,))
     manifest, table = _read_export(ObjectStore.from_url(str(tmp_path / "out")))
     assert manifest["rows"] == {"total": 40, "ok": 40, "failed": 0, "rejected": 0}
     versions = manifest["model_versions"]
@@ -548,11 +551,11 @@ def test_dataset_replay_counts_replays_and_is_atomic(
     client = TeacherClient(settings)
     worker = start_worker(settings)
     done = submit_dataset(client, input=str(src), output=str(tmp_path / "out"))
-    wait_state(client, done.dataset_id, ("ingested",), timeout=60, workers=(worker,))
+    wait_state(client, done.dataset_id, ("ingested",), timeout=scaled(60), workers=(worker,))
     q, job_id = settings.queue.name, row_job_id(done.dataset_id, 2)
     for attempt in (1, 2):
         consumer = start_consumer(settings)
-        wait_state(client, done.dataset_id, ("done",), timeout=120, workers=(worker,))
+        wait_state(client, done.dataset_id, ("done",), timeout=scaled(120), workers=(worker,))
         terminate(consumer)
         [(_, dead)] = client.r.xrange(keys.dead_stream(q))
         assert dead[b"job_id"].decode() == job_id

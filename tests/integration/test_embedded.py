@@ -16,6 +16,7 @@ from shared.redis_server import connect, ensure_embedded, running_url, stop_embe
 from shared.settings import RedisSettings
 from tests.conftest import REPO
 from tests.processes import run_cli
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +36,7 @@ def test_second_process_attaches_instead_of_starting(tmp_path: Path) -> None:
         for _ in range(3)
     ]
     try:
-        outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+        outs = [json.loads(p.communicate(timeout=scaled(60))[0]) for p in procs]
         urls = {url for url, _ in outs}
         assert len(urls) == 1, outs
         assert sum(started for _, started in outs) == 1  # exactly one process started it
@@ -80,7 +81,7 @@ def test_demo_runs_end_to_end_twice(tmp_path: Path) -> None:
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert out.returncode == 0, out.stdout + out.stderr[-3000:]
         assert "12 (0 failed)" in out.stdout

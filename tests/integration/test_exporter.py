@@ -25,16 +25,19 @@ from shared.redis_server import free_port
 from shared.settings import Settings, to_env
 from tests.conftest import REPO
 from tests.processes import stop_all
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
 
-def scrape(port: int, *, timeout: float = 30.0) -> tuple[str, dict[tuple[str, str], float]]:
+def scrape(port: int, *, timeout: float = scaled(30.0)) -> tuple[str, dict[tuple[str, str], float]]:
     """The /metrics text and {(sample name, queue label): value}, retried until it serves."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/metrics", timeout=scaled(5)
+            ) as resp:
                 text = resp.read().decode()
             break
         except OSError:
@@ -97,7 +100,9 @@ def test_consumer_serves_queue_figures(settings: Settings, start_consumer) -> No
     )
     start_consumer(s)
     client = TeacherClient(s)
-    client.wait(client.submit([TeacherRequest(input_ids=[1, 2, 3, 4], job_id="m1")]), timeout=60)
+    client.wait(
+        client.submit([TeacherRequest(input_ids=[1, 2, 3, 4], job_id="m1")]), timeout=scaled(60)
+    )
     text, v = scrape(port)
     q = s.queue.name
     assert v[("teacherq_queue_live_consumers", q)] == 1

@@ -27,6 +27,7 @@ from shared import keys
 from shared.settings import Settings, to_env
 from tests.conftest import REPO
 from tests.processes import Valkey, terminate
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +104,7 @@ def fault_free(settings, start_consumer):
     proc = start_consumer(s)
     client = TeacherClient(s)
     reqs = job_set()
-    results = client.wait(client.submit(reqs), timeout=120)
+    results = client.wait(client.submit(reqs), timeout=scaled(120))
     terminate(proc)
     return reqs, results
 
@@ -115,10 +116,12 @@ def test_consumer_dies_at_each_point(point, settings, start_consumer, fault_free
     client = TeacherClient(s)
     ids = client.submit(reqs)
     crashing = start_consumer(fast(settings, crash_at=point), wait=False)
-    assert crashing.wait(timeout=120) == 137, "the consumer should die at the injected point"
+    assert crashing.wait(timeout=scaled(120)) == 137, (
+        "the consumer should die at the injected point"
+    )
     # A fresh consumer (another name) takes over what the dead one held.
     start_consumer(s)
-    got = client.wait(ids, timeout=120)
+    got = client.wait(ids, timeout=scaled(120))
     assert_same_results(got, want)
     assert_exactly_once(client, ids)
 
@@ -131,9 +134,9 @@ def test_kill_9_at_a_random_moment(settings, start_consumer, fault_free) -> None
     victim = start_consumer(s)
     time.sleep(random.uniform(0.0, 1.5))
     victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=10)
+    victim.wait(timeout=scaled(10))
     start_consumer(s)
-    assert_same_results(client.wait(ids, timeout=120), want)
+    assert_same_results(client.wait(ids, timeout=scaled(120)), want)
     assert_exactly_once(client, ids)
 
 
@@ -175,7 +178,7 @@ def test_batches_stay_in_flight_while_results_are_stored(
     client = TeacherClient(s)
     ids = client.submit(job_set(12, seed=5))  # queued before the consumer starts: it never waits
     proc = start_consumer(s)
-    assert all(r.ok for r in client.wait(ids, timeout=120))
+    assert all(r.ok for r in client.wait(ids, timeout=scaled(120)))
     open_batches, most, idle = set(), 0, []
     for line in proc.log_path.read_text().splitlines():  # type: ignore[attr-defined]
         event = json.loads(line) if line.startswith("{") else {}
@@ -204,7 +207,7 @@ def test_poison_jobs_dead_letter_after_k_attempts(mode, settings, start_consumer
     poison = TeacherRequest(input_ids=[5, POISON, 6], job_id="poison")
     ids = client.submit([*good[:3], poison, *good[3:]])
     with Supervisor(start_consumer, s) as sup:
-        results = client.wait(ids, timeout=180)
+        results = client.wait(ids, timeout=scaled(180))
     by_id = {r.job_id: r for r in results}
     assert all(by_id[g.job_id].ok for g in good), "good jobs keep flowing"
     assert by_id["poison"].error, "the waiter gets the error, not a timeout"
@@ -227,7 +230,7 @@ def test_replay_round_trip(settings, start_consumer) -> None:
         [TeacherRequest(input_ids=[1, 2, 3]), TeacherRequest(input_ids=[4, POISON, 4])]
     )
     proc = start_consumer(s)
-    ok, bad = client.wait([ok_id, bad_id], timeout=60)
+    ok, bad = client.wait([ok_id, bad_id], timeout=scaled(60))
     assert ok.ok and bad.error
     terminate(proc)
 
@@ -240,7 +243,7 @@ def test_replay_round_trip(settings, start_consumer) -> None:
     start_consumer(fast(settings))
     [done] = replay(client)
     assert done.action == "replayed"
-    [again] = client.wait([bad_id], timeout=60)
+    [again] = client.wait([bad_id], timeout=scaled(60))
     assert again.ok, again.error
     assert client.r.xlen(keys.dead_stream(s.queue.name)) == 0
     assert_exactly_once(client, [ok_id, bad_id, bad_id])  # failed once, then completed
@@ -318,10 +321,10 @@ def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None
     own_redis.kill()
     time.sleep(1.0)
     own_redis.restart()  # same dir: the AOF brings back every acknowledged write
-    producer.join(timeout=120)
+    producer.join(timeout=scaled(120))
     stop.set()
     assert len(acknowledged) == 60
-    results = client.wait(acknowledged, timeout=180)
+    results = client.wait(acknowledged, timeout=scaled(180))
     assert all(res.ok for res in results)
     assert_exactly_once(client, acknowledged)
 
@@ -363,7 +366,7 @@ def test_bad_entries_never_take_a_consumer_down(settings, start_consumer, r) -> 
     client.streams.ensure_group()
     write()
     good = client.submit([TeacherRequest(input_ids=[1, 2, 3, i]) for i in range(5)])
-    results = client.wait(bad_ids + good, timeout=120)
+    results = client.wait(bad_ids + good, timeout=scaled(120))
     assert proc.poll() is None, "the consumer is still running"
     assert all(res.ok for res in results[len(bad_ids) :])
     failed = [res for res in results[: len(bad_ids)] if not res.ok]
@@ -400,7 +403,7 @@ def test_consumer_refuses_redis_without_aof(settings, own_redis, tmp_path) -> No
     s = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+                         capture_output=True, text=True, timeout=scaled(120))  # fmt: skip
     assert out.returncode != 0
     assert "AOF is off" in out.stdout + out.stderr
 
@@ -416,4 +419,4 @@ def test_backpressure_raises_or_blocks(settings, start_consumer) -> None:
     client = TeacherClient(blocking)
     start_consumer(blocking)
     ids = client.submit([TeacherRequest(input_ids=list(range(i, i + 15))) for i in range(5)])
-    assert all(res.ok for res in client.wait(ids, timeout=60))
+    assert all(res.ok for res in client.wait(ids, timeout=scaled(60)))

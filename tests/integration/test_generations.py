@@ -12,6 +12,7 @@ import pytest
 from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
 from tests.integration.test_faults import fast
 from tests.reference import hf_token_logprobs
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +42,13 @@ def test_same_tokens_after_update_weights_are_computed_by_the_new_weights(
     content = TeacherRequest(input_ids=tokens)
     own = TeacherRequest(input_ids=mine, job_id="mine")
     old_id, own_id = client.submit([content, own])
-    old, own_before = client.wait([old_id, own_id], timeout=120)
+    old, own_before = client.wait([old_id, own_id], timeout=scaled(120))
     for res, ids in ((old, tokens), (own_before, mine)):
         assert res.ok and res.model_generation == 0
         np.testing.assert_allclose(res.logprobs, hf_token_logprobs(a, ids), atol=1e-4)
     assert client.submit([content]) == [old_id]  # no update yet: still the same job
 
-    client.update_weights(str(b), wait=True, timeout=120)
+    client.update_weights(str(b), wait=True, timeout=scaled(120))
 
     [new_id] = client.submit([content])
 
@@ -57,7 +58,7 @@ def test_same_tokens_after_update_weights_are_computed_by_the_new_weights(
 
     assert asyncio.run(async_id()) == [new_id]
     assert new_id != old_id
-    [new] = client.wait([new_id], timeout=120)
+    [new] = client.wait([new_id], timeout=scaled(120))
     assert new.ok and new.model_generation == 1
     np.testing.assert_allclose(new.logprobs, hf_token_logprobs(b, tokens), atol=1e-4)
     assert not np.allclose(new.logprobs, old.logprobs, atol=1e-3), "A and B must differ"
@@ -65,11 +66,11 @@ def test_same_tokens_after_update_weights_are_computed_by_the_new_weights(
     assert kept is not None and kept.model_generation == 0
 
     assert client.submit([own]) == ["mine"]
-    [same] = client.wait(["mine"], timeout=5)
+    [same] = client.wait(["mine"], timeout=scaled(5))
     assert same.model_generation == 0  # a caller's own id is idempotent
     fresh_req = TeacherRequest(input_ids=mine, job_id="mine", min_model_generation=1)
     assert client.submit([fresh_req]) == ["mine"]
-    [fresh] = client.wait(["mine"], timeout=120)
+    [fresh] = client.wait(["mine"], timeout=scaled(120))
     assert fresh.ok and fresh.model_generation == 1
     np.testing.assert_allclose(fresh.logprobs, hf_token_logprobs(b, mine), atol=1e-4)
     # Asking again for generation 1 finds the stored generation-1 result: nothing recomputed.
@@ -94,20 +95,22 @@ def test_a_failed_update_renames_nothing_and_a_failed_result_stays(
     )
     start_consumer(s)
     client = TeacherClient(s)
-    client.update_weights(str(b), wait=True, timeout=120)  # generation 1, served
+    client.update_weights(str(b), wait=True, timeout=scaled(120))  # generation 1, served
     content = TeacherRequest(input_ids=[31, 32, 33, 34])
     [job] = client.submit([content])
-    [res] = client.wait([job], timeout=120)
+    [res] = client.wait([job], timeout=scaled(120))
     assert res.ok and res.model_generation == 1
 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     with pytest.raises(WeightUpdateFailed):
-        client.update_weights(str(broken), wait=True, timeout=120, check=False)  # generation 2
+        client.update_weights(
+            str(broken), wait=True, timeout=scaled(120), check=False
+        )  # generation 2
     assert client.submit([content]) == [job]  # still named after generation 1: nothing new
     [other] = client.submit([TeacherRequest(input_ids=[41, 42, 43])])
-    [res] = client.wait([other], timeout=60)
+    [res] = client.wait([other], timeout=scaled(60))
     assert res.ok and res.model_generation == 1
     np.testing.assert_allclose(res.logprobs, hf_token_logprobs(b, [41, 42, 43]), atol=1e-4)
 
@@ -117,5 +120,5 @@ def test_a_failed_update_renames_nothing_and_a_failed_result_stays(
     entries = client.r.xlen(client.streams.jobs)
     assert client.submit([again]) == ["gone"]
     assert client.r.xlen(client.streams.jobs) == entries  # the cancelled record stands
-    [res] = client.wait(["gone"], timeout=5)
+    [res] = client.wait(["gone"], timeout=scaled(5))
     assert res.error == "cancelled by the user"

@@ -16,6 +16,7 @@ from tests.conftest import wait_consumer_state
 from tests.integration.test_faults import assert_exactly_once, fast, with_queue
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,7 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
     # Reference: a single-rank consumer on its own queue.
     single = fast(with_queue(settings, "single-" + settings.queue.name))
     proc = start_consumer(single)
-    want = TeacherClient(single).wait(TeacherClient(single).submit(reqs), timeout=120)
+    want = TeacherClient(single).wait(TeacherClient(single).submit(reqs), timeout=scaled(120))
     terminate(proc)
 
     s = fast(settings, batch_max_jobs=2)
@@ -56,7 +57,7 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
 
     wait_for_consumers(s, count=3)
     client = TeacherClient(s)
-    got = client.wait(client.submit(reqs), timeout=180)
+    got = client.wait(client.submit(reqs), timeout=scaled(180))
     for a, b in zip(got, want, strict=True):
         assert a.ok, a.error
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
@@ -65,7 +66,7 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
     layouts = {c["layout"] for c in client.consumers().values()}
     assert layouts == {"tp1·pp1·dp2", "tp2·pp1·dp1"}
     # Heartbeats carry the counters: wait until they account for every job.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while sum(c["jobs_done"] for c in client.consumers().values()) < len(reqs):
         assert time.monotonic() < deadline, client.consumers()
         time.sleep(0.1)
@@ -80,11 +81,11 @@ def test_sigterm_drains_without_losing_work(settings, start_consumer) -> None:
     reqs = jobs(120, seed=1)
     ids = client.submit(reqs)
     first = start_consumer(s)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while client.r.xlen(keys.done_stream(s.queue.name)) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert terminate(first, timeout=60) == 0, "a drained consumer exits 0"
+    assert terminate(first, timeout=scaled(60)) == 0, "a drained consumer exits 0"
     name = next(n for n, c in client.consumers().items() if c["state"] == "stopped")
     pending = client.r.xpending_range(
         keys.jobs_stream(s.queue.name), "consumers", "-", "+", 100, consumername=name
@@ -93,7 +94,7 @@ def test_sigterm_drains_without_losing_work(settings, start_consumer) -> None:
     done_before = client.r.xlen(keys.done_stream(s.queue.name))
     assert done_before < len(ids), "the drain stopped before the queue was empty"
     start_consumer(s)
-    assert all(r.ok for r in client.wait(ids, timeout=120))
+    assert all(r.ok for r in client.wait(ids, timeout=scaled(120)))
     assert_exactly_once(client, ids)
 
 
@@ -102,7 +103,7 @@ def test_failure_on_a_non_leader_rank_does_not_hang(settings, start_consumer) ->
     proc = start_consumer(s, nproc=2)
     client = TeacherClient(s)
     ids = client.submit(jobs(12, seed=2))
-    results = client.wait(ids, timeout=120)  # a hang would end in TimeoutError
+    results = client.wait(ids, timeout=scaled(120))  # a hang would end in TimeoutError
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     log = proc.log_path.read_text()
     assert "injected failure on rank 1" in log or "a peer rank failed" in log
@@ -122,7 +123,7 @@ def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_
     start_consumer(s)
     client = TeacherClient(s)
     wave1 = jobs(4, seed=3, vocab=500)
-    before = client.wait(client.submit(wave1), timeout=60)
+    before = client.wait(client.submit(wave1), timeout=scaled(60))
     # A job that must be computed by the updated weights, submitted before the update.
     eager = TeacherRequest(input_ids=[1, 2, 3, 4], min_model_generation=1, job_id="needs-gen1")
     client.submit([eager])
@@ -132,10 +133,10 @@ def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_
     assert again.generation == first.generation == 1
     with pytest.raises(UpdateInProgress, match="teacher-b"):
         request_update(client.r, s.queue.name, str(a))
-    client.update_weights(str(b), wait=True, timeout=120)
+    client.update_weights(str(b), wait=True, timeout=scaled(120))
     wave2 = jobs(4, seed=4, vocab=500)
-    after = client.wait(client.submit(wave2), timeout=60)
-    [late] = client.wait(["needs-gen1"], timeout=60)
+    after = client.wait(client.submit(wave2), timeout=scaled(60))
+    [late] = client.wait(["needs-gen1"], timeout=scaled(60))
 
     for req, res in zip(wave1, before, strict=True):
         assert res.model_version.startswith("teacher-a@") and res.model_generation == 0
@@ -154,19 +155,19 @@ def test_sleep_and_wake_round_trip(settings, start_consumer, two_checkpoints) ->
     proc = start_consumer(s)
     client = TeacherClient(s)
     wait_consumer_state(client, "sleeping")
-    [res] = client.wait(client.submit([TeacherRequest(input_ids=[5, 6, 7, 8])]), timeout=60)
+    [res] = client.wait(client.submit([TeacherRequest(input_ids=[5, 6, 7, 8])]), timeout=scaled(60))
     ref = tiny_full_log_softmax(np.array([5, 6, 7, 8]))
     np.testing.assert_allclose(res.logprobs, ref[[0, 1, 2], [6, 7, 8]], atol=2e-4)
     wait_consumer_state(client, "sleeping")
     # A weight update received while asleep: reloads, and the consumer stays asleep.
-    client.update_weights(str(b), wait=True, timeout=120)
+    client.update_weights(str(b), wait=True, timeout=scaled(120))
     wait_consumer_state(client, "sleeping")
     [rec] = client.consumers().values()
     assert rec["model_generation"] == 1 and rec["model_version"].startswith("teacher-b@")
     # (a job id of its own; the same content after the update would be a new job too, see
     # test_generations.py)
     after = TeacherRequest(input_ids=[5, 6, 7, 8], job_id="after-update")
-    [res] = client.wait(client.submit([after]), timeout=60)
+    [res] = client.wait(client.submit([after]), timeout=scaled(60))
     assert res.ok and res.model_generation == 1
     np.testing.assert_allclose(res.logprobs, hf_token_logprobs(b, [5, 6, 7, 8]), atol=1e-4)
     log = proc.log_path.read_text()

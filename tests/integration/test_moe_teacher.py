@@ -9,6 +9,7 @@ import pytest
 
 from producer import TeacherClient, TeacherRequest
 from tests.reference import hf_full_log_softmax
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def test_moe_checkpoint_served_with_expert_parallelism(settings, start_consumer,
                        return_entropy=True, seed=i)
         for i, n in enumerate((12, 30, 5))
     ]  # fmt: skip
-    results = client.wait(client.submit(reqs), timeout=180)
+    results = client.wait(client.submit(reqs), timeout=scaled(180))
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error
         assert res.model_version.startswith("qwen2-moe@")

@@ -49,6 +49,7 @@ from shared.tracing import new_id, record, span
 from tests.conftest import REPO
 from tests.processes import run_cli as cli
 from tests.processes import run_with_terminal_stderr
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -159,9 +160,9 @@ def traced_jobs(settings: Settings, producer_sink: RedisSpanSink, n: int) -> tup
     ids = client.submit([TeacherRequest(input_ids=list(range(3 + i))) for i in range(n)])
     producer_sink.flush()
     proc = run_fake_consumer(settings, n)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 0, out
-    client.wait(ids, timeout=30, progress=False)
+    client.wait(ids, timeout=scaled(30), progress=False)
     return ids, json.loads(out)
 
 
@@ -320,10 +321,10 @@ def test_real_consumer_records_the_whole_job_tree(
     client = TeacherClient(settings)
     [job] = client.submit([TeacherRequest(input_ids=[1, 2, 3, 4, 5], top_k=2)])
     producer_sink.flush()
-    [res] = client.wait([job], timeout=120, progress=False)
+    [res] = client.wait([job], timeout=scaled(120), progress=False)
     assert res.ok, res.error
     store = TraceStore(redis.Redis.from_url(settings.redis.url), settings.queue.name)
-    deadline = time.monotonic() + 10  # the consumer's sink flushes every 0.2 s
+    deadline = time.monotonic() + scaled(10)  # the consumer's sink flushes every 0.2 s
     while True:
         names = {s["name"] for s in store.job_spans(job)}
         if set(JOB_PHASES) <= names or time.monotonic() > deadline:
@@ -456,7 +457,7 @@ def test_status_watch_refreshes_until_interrupted(settings: Settings) -> None:
         second = json.loads(proc.stdout.readline())
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=scaled(30))
     assert first["queue"] == second["queue"] == settings.queue.name
     assert second["time"] > first["time"]
     assert proc.returncode == 0, err
@@ -467,7 +468,7 @@ def test_status_watch_refreshes_until_interrupted(settings: Settings) -> None:
 
 def _get(url: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=scaled(5)) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -555,7 +556,7 @@ def test_metrics_move_as_jobs_complete_and_health_follows_the_loop() -> None:
     finally:
         m.close()
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=scaled(2))
 
 
 def test_two_consumers_in_one_process_keep_separate_registries() -> None:
@@ -587,8 +588,8 @@ def test_wait_progress_counts_jobs_and_tokens(settings: Settings) -> None:
     bar = WaitProgress(3, total_tokens=18, console=Console(file=buf, force_terminal=True,
                                                               width=160))  # fmt: skip
     t = _complete_in_thread(settings, 3)
-    results = client.wait(ids, timeout=60, progress=bar)
-    t.join(timeout=10)
+    results = client.wait(ids, timeout=scaled(60), progress=bar)
+    t.join(timeout=scaled(10))
     assert all(r.ok for r in results)
     assert (bar.jobs, bar.tokens, bar.failed) == (3, 18, 0)
     out = buf.getvalue()
@@ -599,8 +600,8 @@ def test_wait_shows_no_progress_off_a_terminal(settings: Settings, capfd) -> Non
     client = TeacherClient(settings)
     ids = client.submit([TeacherRequest(input_ids=[1, 2, 3])])
     t = _complete_in_thread(settings, 1)
-    client.wait(ids, timeout=60)  # the library draws no bar unless asked
-    t.join(timeout=10)
+    client.wait(ids, timeout=scaled(60))  # the library draws no bar unless asked
+    t.join(timeout=scaled(10))
     assert capfd.readouterr().err == ""
 
 
@@ -615,7 +616,7 @@ def test_cli_submit_wait_shows_a_progress_bar_on_a_terminal(settings: Settings, 
         env=env,
     )
     out = raw.decode()
-    t.join(timeout=10)
+    t.join(timeout=scaled(10))
     assert code == 0, seen.decode(errors="replace")
     assert len(out.split()) == 4  # job ids on stdout, untouched by the bar
     text = seen.decode(errors="replace")

@@ -18,6 +18,7 @@ from shared.errors import UnknownJob
 from shared.settings import to_env
 from tests.processes import run_cli as cli
 from tests.processes import run_with_terminal_stderr
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +53,7 @@ def test_results_and_wait_of_unknown_ids_raise(settings) -> None:
     t0 = time.monotonic()
     with pytest.raises(UnknownJob, match="j-typo"):
         client.wait([known, "j-typo"])
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < scaled(5)
     with pytest.raises(UnknownJob):
         client.cancel("j-typo")
     assert client.results([known]) == [None]
@@ -179,7 +180,11 @@ def test_client_never_writes_stdout_and_obeys_the_level(settings, level) -> None
     if level:
         env["TEACHERQ_LOG__LEVEL"] = level
     proc = subprocess.run(
-        [sys.executable, "-c", _TRAINER], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _TRAINER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "trainer-output\n"
@@ -233,7 +238,7 @@ def test_update_without_consumers_never_blocks_the_next(settings, tmp_path, r) -
     t0 = time.monotonic()
     proc = cli(settings, "update-weights", str(b))
     assert proc.returncode == 0, proc.stderr
-    assert "no live consumer" in proc.stdout and time.monotonic() - t0 < 30
+    assert "no live consumer" in proc.stdout and time.monotonic() - t0 < scaled(30)
     w = current(r, q)
     assert (w.path, w.generation, w.state) == (str(b), 2, "updating")
     proc = cli(settings, "update-weights", "--reset")

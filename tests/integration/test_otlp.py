@@ -21,6 +21,7 @@ from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
 from shared import tracing
 from shared.settings import Settings
 from shared.trace_store import TraceStore
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +111,9 @@ def receiver() -> Iterator[Receiver]:
     rec.close()
 
 
-def _wait_for(receiver: Receiver, job_id: str, names: set[str], timeout: float = 60) -> dict:
+def _wait_for(
+    receiver: Receiver, job_id: str, names: set[str], timeout: float = scaled(60)
+) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         got = {s["name"]: s for s in receiver.job_spans(job_id)}
@@ -152,13 +155,13 @@ def test_trainer_spans_parent_job_spans_in_redis_and_over_otlp(
         async with AsyncTeacherClient(settings) as ac:
             req = TeacherRequest(input_ids=[8, 9, 10], job_id="aio", trace={"traceparent": header})
             [job] = await ac.submit([req])
-            await ac.wait([job], timeout=120)
+            await ac.wait([job], timeout=scaled(120))
             return job
 
     import asyncio
 
     aio_job = asyncio.run(submit_async())
-    results = client.wait([ambient_job, w3c_job], timeout=120)
+    results = client.wait([ambient_job, w3c_job], timeout=scaled(120))
     assert all(r.ok for r in results), [r.error for r in results]
 
     expected = {
@@ -181,7 +184,7 @@ def test_trainer_spans_parent_job_spans_in_redis_and_over_otlp(
             assert s["end_ns"] >= s["start_ns"]
             assert s["parent_span_id"] == submit["span_id"], (job, name)
         # The Redis sink holds the same tree for `teacherq trace`.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while True:
             in_redis = {s["name"]: s for s in store.job_spans(job)}
             if {"submit", *CONSUMER_PHASES} <= set(in_redis) or time.monotonic() > deadline:

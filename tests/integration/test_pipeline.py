@@ -14,6 +14,7 @@ from shared.codec import encode_array
 from shared.messages import DEFAULT_MAX_INPUT_TOKENS, encode_job
 from tests.processes import run_cli
 from tests.reference import tiny_full_log_softmax
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 VOCAB = 1000  # the tiny preset's
@@ -45,7 +46,7 @@ def test_submit_consume_results_match_full_vocab_reference(settings, start_consu
     reqs = _requests(np.random.default_rng(0), 8)
     ids = client.submit(reqs)
     assert len(set(ids)) == 8
-    results = client.wait(ids, timeout=120)
+    results = client.wait(ids, timeout=scaled(120))
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error
         assert res.model_version == "tiny-random-seed1234"
@@ -91,7 +92,7 @@ def test_resubmitting_a_job_id_computes_it_once(settings, start_consumer, r) -> 
     assert first == second == ["same-job", first[1]]
     assert r.xlen(keys.jobs_stream(settings.queue.name)) == 2  # no duplicate entries
     start_consumer(settings)
-    client.wait(first, timeout=60)
+    client.wait(first, timeout=scaled(60))
     done = r.xrange(keys.done_stream(settings.queue.name))
     assert sorted(f[b"job_id"].decode() for _, f in done) == sorted(first)
 
@@ -107,7 +108,7 @@ def test_duplicate_entries_for_one_job_id_compute_once(settings, start_consumer,
     r.xadd(stream, fields)
     r.xadd(stream, fields)
     proc = start_consumer(settings)
-    [res] = client.wait(["dup"], timeout=60)
+    [res] = client.wait(["dup"], timeout=scaled(60))
     assert res.ok
     log = proc.log_path.read_text()
     assert log.count('"job.duplicate_skipped"') == 1, log[-2000:]
@@ -152,7 +153,7 @@ def test_the_served_models_length_limit_is_advertised_and_enforced(
     stream = keys.jobs_stream(settings.queue.name)
     r.xadd(stream, encode_job(TeacherRequest(input_ids=[1] * (limit + 2)), job_id="long"))
     good = client.submit([TeacherRequest(input_ids=[1, 2, 3])])
-    long_, ok = client.wait(["long", *good], timeout=60)
+    long_, ok = client.wait(["long", *good], timeout=scaled(60))
     assert f"{limit + 2} tokens; the maximum is {limit} (the model's" in long_.error
     assert ok.ok
 
@@ -185,7 +186,7 @@ def test_bad_stream_entries_are_dead_lettered_and_good_jobs_flow(
     r.xadd(stream, {"garbage": b"\x00\xff"})
     good = client.submit([TeacherRequest(input_ids=[1, 2, 3])])
     start_consumer(settings)
-    results = client.wait(["no-ids", "truncated", "oov", *good], timeout=60)
+    results = client.wait(["no-ids", "truncated", "oov", *good], timeout=scaled(60))
     assert "no 'input_ids' field" in results[0].error
     assert "truncated" in results[1].error or "bytes" in results[1].error
     assert "outside the vocabulary [0, 1000)" in results[2].error
@@ -205,7 +206,7 @@ def test_large_results_go_to_object_storage(settings, start_consumer, tmp_path) 
     start_consumer(s)
     client = TeacherClient(s)
     [job] = client.submit([TeacherRequest(input_ids=list(range(50)), top_k=16)])
-    [res] = client.wait([job], timeout=60)
+    [res] = client.wait([job], timeout=scaled(60))
     assert res.ok and res.topk_logprobs.shape == (49, 16)
     files = list((tmp_path / "objects").rglob("*"))
     assert any(f.is_file() for f in files), "bulk arrays should be in the file store"
@@ -218,7 +219,7 @@ def test_cancel_before_start_is_not_computed(settings, start_consumer) -> None:
     [job] = client.submit([TeacherRequest(input_ids=[4, 5, 6])])
     client.cancel(job)
     start_consumer(settings)
-    [res] = client.wait([job], timeout=30)
+    [res] = client.wait([job], timeout=scaled(30))
     assert res.error == "cancelled by the user"
 
 
@@ -256,5 +257,5 @@ def test_pending_tokens_count_submitted_minus_acknowledged(settings, start_consu
     assert client.streams.pending_tokens() == 23
     assert client.status()["pending_tokens"] == 23
     start_consumer(settings)
-    client.wait(ids, timeout=60)
+    client.wait(ids, timeout=scaled(60))
     assert client.streams.pending_tokens() == 0

@@ -22,6 +22,7 @@ from tests.integration.test_faults import assert_exactly_once, fast
 from tests.integration.test_groups import jobs as group_jobs
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 VOCAB = 300
@@ -57,7 +58,7 @@ def test_two_stages_serve_update_sleep_and_drain(settings, start_consumer, teach
     [rec] = client.consumers().values()
     assert rec["layout"] == "tp1·pp2·dp1", rec["layout"]
     wave1 = jobs(10, seed=1)
-    for req, res in zip(wave1, client.wait(client.submit(wave1), timeout=120), strict=True):
+    for req, res in zip(wave1, client.wait(client.submit(wave1), timeout=scaled(120)), strict=True):
         assert res.ok, res.error
         assert res.model_version.startswith("pp-teacher-a@")
         np.testing.assert_allclose(res.logprobs, hf_token_logprobs(a, req.input_ids), atol=2e-3)
@@ -65,15 +66,15 @@ def test_two_stages_serve_update_sleep_and_drain(settings, start_consumer, teach
     # Idle: both stages offload; a job wakes them.
     wait_consumer_state(client, "sleeping")
     # A weight update reaches every stage (each loads its own layers of the new teacher).
-    client.update_weights(str(b), wait=True, timeout=120)
+    client.update_weights(str(b), wait=True, timeout=scaled(120))
     wave2 = jobs(6, seed=2)
-    for req, res in zip(wave2, client.wait(client.submit(wave2), timeout=120), strict=True):
+    for req, res in zip(wave2, client.wait(client.submit(wave2), timeout=scaled(120)), strict=True):
         assert res.ok and res.model_generation == 1, res.error
         np.testing.assert_allclose(res.logprobs, hf_token_logprobs(b, req.input_ids), atol=2e-3)
     assert_exactly_once(client, [r.job_id for r in wave1 + wave2])
     # SIGTERM drains: the leader finishes what it holds and stops both stages (torchrun's
     # launcher itself exits 1 whenever it is signalled, so the log tells the drain).
-    terminate(proc, timeout=60)
+    terminate(proc, timeout=scaled(60))
     log = proc.log_path.read_text()
     assert log.count('"consumer.draining"') == 2 and '"consumer.stopped"' in log
     assert '"consumer.sleeping"' in log and '"consumer.awake"' in log
@@ -111,17 +112,17 @@ def test_a_stage_killed_mid_stream_loses_nothing(settings, start_consumer, teach
     reqs = jobs(60, seed=3)
     ids = client.submit(reqs)
     launcher = start_consumer(s, nproc=2)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while client.r.xlen(keys.done_stream(s.queue.name)) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     [last_stage] = [p for p in _children(launcher.pid) if _rank_of(p) == 1]
     os.kill(last_stage, signal.SIGKILL)  # the stage that runs the head, mid-stream
-    launcher.wait(timeout=60)  # torchrun takes the replica's other rank down with it
+    launcher.wait(timeout=scaled(60))  # torchrun takes the replica's other rank down with it
     assert client.r.xlen(keys.done_stream(s.queue.name)) < len(ids), "killed before the end"
     # Another consumer (a single rank, pp=1) takes over what the dead replica held.
     start_consumer(pipelined(s, a, pp=1))
-    results = client.wait(ids, timeout=180)
+    results = client.wait(ids, timeout=scaled(180))
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error
         np.testing.assert_allclose(res.logprobs, hf_token_logprobs(a, req.input_ids), atol=2e-3)

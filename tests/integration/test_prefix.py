@@ -14,6 +14,7 @@ import pytest
 
 from producer import TeacherClient, TeacherRequest
 from tests.reference import tiny_full_log_softmax
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 VOCAB = 1000  # the tiny preset's
@@ -72,7 +73,7 @@ def test_jobs_sharing_prompts_run_in_one_batch_and_match_the_reference(
     client = TeacherClient(s)
     ids = client.submit(reqs)  # all queued before the consumer starts: one batching window
     proc = start_consumer(s, nproc=tp)
-    results = client.wait(ids, timeout=180)
+    results = client.wait(ids, timeout=scaled(180))
     assert [b["jobs"] for b in _batches(proc.log_path.read_text())] == [len(reqs)]
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error
@@ -114,8 +115,8 @@ def test_groups_submitted_one_at_a_time_to_an_idle_consumer_share_their_prompt(
             for n in rng.integers(5, 30, size=responses)
         ]
         ids += client.submit(group)
-        client.wait(ids[-responses:], timeout=60)  # the next group comes after this one's
-    assert all(r.ok for r in client.wait(ids, timeout=60))
+        client.wait(ids[-responses:], timeout=scaled(60))  # the next group comes after this one's
+    assert all(r.ok for r in client.wait(ids, timeout=scaled(60)))
     batches = _batches(proc.log_path.read_text())
     assert [b["jobs"] for b in batches] == [responses] * groups
     # Each response after a group's first reuses its prompt's rows.

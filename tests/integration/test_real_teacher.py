@@ -8,6 +8,7 @@ import pytest
 
 from producer import TeacherClient, TeacherRequest
 from tests.reference import hf_full_log_softmax
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +53,7 @@ def test_hf_checkpoint_matches_transformers(settings, start_consumer, qwen2_chec
     vocab = client.limits().vocab_size
     assert vocab == 500  # advertised by the consumer from the checkpoint's config
     reqs = _jobs(vocab)
-    results = client.wait(client.submit(reqs), timeout=120)
+    results = client.wait(client.submit(reqs), timeout=scaled(120))
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error
         assert res.model_version.startswith("qwen2@")
@@ -75,10 +76,10 @@ def test_tp2_replica_equals_tp1(settings, start_consumer, qwen2_checkpoint) -> N
         s = _with_model(settings, qwen2_checkpoint, tp=tp).model_copy(update={"queue": queue})
         proc = start_consumer(s, nproc=tp)
         client = TeacherClient(s)
-        runs[tp] = client.wait(client.submit(reqs), timeout=180)
+        runs[tp] = client.wait(client.submit(reqs), timeout=scaled(180))
         assert client.consumers()[next(iter(client.consumers()))]["layout"].startswith(f"tp{tp}")
         proc.terminate()
-        proc.wait(timeout=60)
+        proc.wait(timeout=scaled(60))
         # torchrun itself exits non-zero on SIGTERM after forwarding it; the replica drained.
         assert '"consumer.stopped"' in proc.log_path.read_text()
     for a, b in zip(runs[1], runs[2], strict=True):

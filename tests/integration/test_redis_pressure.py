@@ -26,6 +26,7 @@ from shared.settings import Settings, to_env
 from shared.streams import Streams
 from tests.conftest import REPO
 from tests.processes import Valkey, terminate
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -213,7 +214,7 @@ def test_submit_refuses_or_blocks_above_the_memory_fraction(small_redis, setting
     time.sleep(1.5)
     assert not done, "blocked while Redis is above the fraction"
     small_redis.free()
-    t.join(timeout=10)
+    t.join(timeout=scaled(10))
     assert done == ["waited-0"]
 
 
@@ -223,7 +224,7 @@ def test_status_shows_memory(small_redis, settings) -> None:
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
     small_redis.fill()
     out = subprocess.run([sys.executable, "-m", "producer.cli", "status", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+                         capture_output=True, text=True, timeout=scaled(60))  # fmt: skip
     assert out.returncode == 0, out.stderr
     mem = json.loads(out.stdout)["memory"]
     assert mem["limit_bytes"] == 8 * 2**20
@@ -242,13 +243,13 @@ def test_unsafe_redis_exits_78_before_the_model_loads(small_redis, settings, tmp
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+                         capture_output=True, text=True, timeout=scaled(120))  # fmt: skip
     assert out.returncode == 78
     assert "AOF is off" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
     assert len(out.stderr.strip().splitlines()) <= 2
     assert "model" not in out.stdout.lower() or "consumer.ready" not in out.stdout
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < scaled(60)
 
 
 def test_consumer_starts_and_stops_while_redis_is_full(small_redis, settings, start_consumer):
@@ -346,7 +347,7 @@ def full_redis_run(
     procs = [start_consumer(s), start_consumer(s)]
     t0 = time.monotonic()
     ids = client.submit(jobs(n_jobs, "full", length=40))
-    client.wait(ids[:4], timeout=60)
+    client.wait(ids[:4], timeout=scaled(60))
     unfinished = []
     for _ in range(cycles):
         small_redis.fill()
@@ -362,7 +363,7 @@ def full_redis_run(
         small_redis.free()
         time.sleep(1.0)
     assert unfinished[0] >= 20, "Redis filled while the consumers were working"
-    results = client.wait(ids, timeout=600)
+    results = client.wait(ids, timeout=scaled(600))
     assert all(res.ok for res in results), [res.error for res in results if not res.ok][:3]
     assert small_redis.r.xlen(keys.dead_stream(s.queue.name)) == 0
     assert _log_events(procs, "job.dead_lettered") == 0
@@ -415,14 +416,14 @@ def test_dead_consumer_reclaimed_by_heartbeat_and_pruned(settings, start_consume
     assert terminate(stopped) == 0
     ids = client.submit(jobs(8, "dead"))
     victim = start_consumer(on(s, s.redis.url or "", crash_at="compute:1"), wait=False)
-    assert victim.wait(timeout=120) == 137
+    assert victim.wait(timeout=scaled(120)) == 137
     t0 = time.monotonic()
     survivor = start_consumer(s)
-    results = client.wait(ids, timeout=60)
+    results = client.wait(ids, timeout=scaled(60))
     assert all(res.ok for res in results)
-    assert time.monotonic() - t0 < 60, "taken over long before the visibility timeout"
+    assert time.monotonic() - t0 < scaled(60), "taken over long before the visibility timeout"
     stream, group = keys.jobs_stream(s.queue.name), s.queue.group
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while time.monotonic() < deadline:
         names = {c["name"].decode() for c in r.xinfo_consumers(stream, group)}
         beats = set(client.consumers())
@@ -445,14 +446,14 @@ def test_pod_name_is_kept_across_a_restart(settings, start_consumer, r) -> None:
     client = TeacherClient(s)
     ids = client.submit(jobs(6, "pod"))
     victim = start_consumer(on(s, url, crash_at="compute:1"), extra_env=pod, wait=False)
-    assert victim.wait(timeout=120) == 137
+    assert victim.wait(timeout=scaled(120)) == 137
     stream, group = keys.jobs_stream(s.queue.name), s.queue.group
     held = r.xpending_range(stream, group, "-", "+", 100)
     assert held and {p["consumer"] for p in held} == {b"teacherq-consumer-0"}
     t0 = time.monotonic()
     start_consumer(s, extra_env=pod)
-    assert all(res.ok for res in client.wait(ids, timeout=60))
-    assert time.monotonic() - t0 < 60, "its own entries were not taken back at start"
+    assert all(res.ok for res in client.wait(ids, timeout=scaled(60)))
+    assert time.monotonic() - t0 < scaled(60), "its own entries were not taken back at start"
     names = {c["name"].decode() for c in r.xinfo_consumers(stream, group)}
     assert names == {"teacherq-consumer-0"} == set(client.consumers())
     assert r.xpending(stream, group)["pending"] == 0
@@ -540,7 +541,7 @@ def test_sigterm_while_results_wait_for_room(small_redis, settings, start_consum
     client = TeacherClient(s)
     proc = start_consumer(s)
     ids = client.submit(jobs(150, "term", length=40))
-    client.wait(ids[:4], timeout=60)
+    client.wait(ids[:4], timeout=scaled(60))
     small_redis.fill()
     time.sleep(1.0)
     t0 = time.monotonic()
@@ -548,6 +549,6 @@ def test_sigterm_while_results_wait_for_room(small_redis, settings, start_consum
     assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10
     small_redis.free()
     start_consumer(s)
-    results = client.wait(ids, timeout=180)
+    results = client.wait(ids, timeout=scaled(180))
     assert all(res.ok for res in results)
     assert small_redis.r.xlen(keys.dead_stream(s.queue.name)) == 0

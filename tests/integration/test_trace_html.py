@@ -18,6 +18,7 @@ import pytest
 
 from shared.settings import Settings
 from tests.integration.test_observe import JOB_PHASES, cli, producer_sink, traced_jobs
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 __all__ = ["producer_sink"]  # the fixture, imported for these tests
@@ -47,7 +48,7 @@ def run_chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         f"--window-size={WIDTH},{HEIGHT}", "--hide-scrollbars",
         *args,
     ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(120))
 
 
 def console_errors(stderr: str) -> list[str]:

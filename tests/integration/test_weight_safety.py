@@ -21,6 +21,7 @@ from tests.conftest import wait_for_consumers
 from tests.integration.test_faults import fast
 from tests.integration.test_operating import cli, error_lines
 from tests.reference import hf_token_logprobs
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +46,7 @@ def checkpoints(tmp_path_factory, hf_checkpoint):
 
 def _served_version(client: TeacherClient, input_ids: list[int], job_id: str) -> str:
     [res] = client.wait(
-        client.submit([TeacherRequest(input_ids=input_ids, job_id=job_id)]), timeout=60
+        client.submit([TeacherRequest(input_ids=input_ids, job_id=job_id)]), timeout=scaled(60)
     )
     assert res.ok, res.error
     return res.model_version
@@ -68,7 +69,7 @@ def test_bad_updates_never_brick_the_queue(settings, start_consumer, checkpoints
         proc = cli(s, "update-weights", path)
         assert proc.returncode == exitcodes.USAGE, proc.stderr
         assert expect in proc.stderr and len(error_lines(proc)) == 1
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < scaled(30)
     assert "line" in cli(s, "update-weights", str(cut)).stderr
     assert not client.r.exists(keys.weights_key(s.queue.name))
 
@@ -77,7 +78,7 @@ def test_bad_updates_never_brick_the_queue(settings, start_consumer, checkpoints
     t0 = time.monotonic()
     proc = cli(s, "update-weights", str(mismatch))
     assert proc.returncode == exitcodes.FAILED, proc.stdout + proc.stderr
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < scaled(60)
     assert len(error_lines(proc)) == 1 and name in proc.stderr and "missing" in proc.stderr
     assert first.poll() is None
     assert _served_version(client, [1, 2, 3, 5], "after-failure") == tiny
@@ -87,7 +88,7 @@ def test_bad_updates_never_brick_the_queue(settings, start_consumer, checkpoints
     assert "missing" in w["error"] and w["active_path"] is None
     # Python side: the same failure is WeightUpdateFailed; a missing path InvalidCheckpoint.
     with pytest.raises(WeightUpdateFailed, match=name):
-        client.update_weights(str(mismatch), timeout=60)
+        client.update_weights(str(mismatch), timeout=scaled(60))
     with pytest.raises(InvalidCheckpoint):
         client.update_weights("/no/such/checkpoint")
 
@@ -113,7 +114,7 @@ def test_bad_updates_never_brick_the_queue(settings, start_consumer, checkpoints
     # --reset: every consumer back to its configured model (the tiny preset here).
     proc = cli(s, "update-weights", "--reset", "--timeout", "120")
     assert proc.returncode == 0, proc.stderr
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while True:
         versions = {c["model_version"] for c in client.consumers().values()}
         if versions == {tiny}:
@@ -152,15 +153,17 @@ def test_tp2_replica_updates_and_resets_together(settings, start_consumer, check
     client = TeacherClient(s)
     tiny = _served_version(client, [1, 2, 3, 4], "tp-before")
     with pytest.raises(WeightUpdateFailed):
-        client.update_weights(str(mismatch), timeout=60)
+        client.update_weights(str(mismatch), timeout=scaled(60))
     assert _served_version(client, [1, 2, 3, 5], "tp-after-failure") == tiny
-    client.update_weights(str(good), timeout=120)
+    client.update_weights(str(good), timeout=scaled(120))
     ids = [1, 2, 3, 6, 9, 11]
-    [res] = client.wait(client.submit([TeacherRequest(input_ids=ids, job_id="tp-up")]), timeout=60)
+    [res] = client.wait(
+        client.submit([TeacherRequest(input_ids=ids, job_id="tp-up")]), timeout=scaled(60)
+    )
     assert res.model_version.startswith("teacher-a@")
     # Both ranks hold the new weights: the sharded result equals Hugging Face's on one device.
     np.testing.assert_allclose(res.logprobs, hf_token_logprobs(good, np.array(ids)), atol=1e-4)
-    client.reset_weights(timeout=120)
+    client.reset_weights(timeout=scaled(120))
     assert _served_version(client, [1, 2, 3, 7], "tp-reset") == tiny
     assert proc.poll() is None
 
@@ -205,9 +208,9 @@ def test_an_update_one_replica_cannot_load_leaves_every_replica_on_the_old_weigh
     client = TeacherClient(s)
     tiny = _served_version(client, [1, 2, 3, 4], "two-before")
     with pytest.raises(WeightUpdateFailed, match="num_key_value_heads=1") as info:
-        client.update_weights(str(one_kv), timeout=120)
+        client.update_weights(str(one_kv), timeout=scaled(120))
     assert info.value.consumer in client.consumers()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     # Every replica on the old weights and none still loading the failed update.
     while any(
         c["model_version"] != tiny or c["state"] == "updating" for c in client.consumers().values()
@@ -247,7 +250,7 @@ def test_a_replica_that_applied_an_update_failed_elsewhere_reverts(
     t.start()
     try:
         req = client.update_weights(str(good), wait=False)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not _served_version(client, [1, 2, 3, 5], f"rev-{time.monotonic()}").startswith(
             "teacher-a@"
         ):
@@ -257,7 +260,7 @@ def test_a_replica_that_applied_an_update_failed_elsewhere_reverts(
                            replica="phantom", reason="out of memory")  # fmt: skip
         with pytest.raises(WeightUpdateFailed, match="phantom.*out of memory"):
             wait_done(client.r, s.queue.name, req.generation, timeout_s=5)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while _served_version(client, [1, 2, 3, 6], f"rev-{time.monotonic()}") != tiny:
             assert time.monotonic() < deadline
     finally:

@@ -19,6 +19,7 @@ import torch
 
 from consumer.checkpoints import CheckpointError
 from tests.gloo import run_gloo
+from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 300  # pads to 384 at TP=1, 512 at TP=2: the vocab rows differ between TP sizes
@@ -590,7 +591,7 @@ def test_reshard_tp1_to_tp2_and_back(saved_tp1, layout, tmp_path):
 
     model, _, logits, root, _ = saved_tp1
     tp2_root = tmp_path / "tp2"
-    shards = run_gloo(2, _reshard_worker, root, tp2_root, timeout=120)
+    shards = run_gloo(2, _reshard_worker, root, tp2_root, timeout=scaled(120))
     gathered = torch.cat(shards, dim=1)
     torch.testing.assert_close(gathered[:, :VOCAB], logits[:, :VOCAB], atol=1e-5, rtol=0)
     assert gathered[:, VOCAB:].abs().max() == 0  # padded vocab rows are zero

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.gloo import run_gloo
+from tests.timing import scaled
 
 ATOL_HF = 1e-4
 ATOL_SELF = 2e-5
@@ -175,7 +176,7 @@ def test_tp2_matches_transformers_and_tp1(layout, checkpoints, references):
     jobs = [(name, checkpoints[name], references[name][0]) for name in TP2_CASES]
     docs = [_token_ids(n, seed=300 + j) for j, n in enumerate(PACKED_LENGTHS)]
     packed_job = ("qwen2_bias", checkpoints["qwen2_bias"], docs)
-    shards = run_gloo(2, _tp2_worker, jobs, packed_job, timeout=120)
+    shards = run_gloo(2, _tp2_worker, jobs, packed_job, timeout=scaled(120))
     for name in TP2_CASES:
         assert shards[0][name].shape == shards[1][name].shape
         gathered = torch.cat([shards[0][name], shards[1][name]], dim=1)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timing import scaled
+
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +143,7 @@ def _run(body: str, *args: int) -> None:
         text=True,
         cwd=REPO,
         env=env,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 

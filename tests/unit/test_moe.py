@@ -14,6 +14,7 @@ from consumer.checkpoints import CheckpointError
 from shared.messages import Job, TeacherRequest
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
+from tests.timing import scaled
 
 ATOL = 2e-3
 VOCAB = 300
@@ -119,7 +120,9 @@ def test_outputs_do_not_depend_on_batch_mates(tp1_scores):
 
 def _check_layout(tp: int, ep: int, moe_checkpoints, tp1_scores) -> None:
     world = max(tp, ep)
-    scored = run_gloo(world, _layout_worker, tp, ep, moe_checkpoints, _batches(), timeout=300)[0]
+    scored = run_gloo(
+        world, _layout_worker, tp, ep, moe_checkpoints, _batches(), timeout=scaled(300)
+    )[0]
     for name, path in moe_checkpoints.items():
         _check_against_transformers(path, _batches()[0], scored[name][0])
         for got_batch, want_batch in zip(scored[name], tp1_scores[name], strict=True):
@@ -354,7 +357,7 @@ def test_torch_dist_moe_reloads_at_any_layout(
         roots[name] = str(tmp_path / "tp1" / name)
     out_root = str(tmp_path / "wide")
     scored = run_gloo(max(tp, ep), _torch_dist_worker, tp, ep, roots, out_root, _batches(),
-                      timeout=300)[0]  # fmt: skip
+                      timeout=scaled(300))[0]  # fmt: skip
     for name in moe_checkpoints:
         model, spec = load_megatron_checkpoint(f"{out_root}/{name}", layout)
         assert spec.num_experts == 4

@@ -16,6 +16,7 @@ import torch
 
 from tests.gloo import run_gloo
 from tests.reference import hf_token_logprobs
+from tests.timing import scaled
 
 ATOL_HF = 2e-3
 ATOL_PP1 = 1e-4
@@ -102,7 +103,7 @@ def checkpoints(hf_checkpoint) -> dict:
 @pytest.fixture(scope="module")
 def pp1(checkpoints) -> dict:
     return {
-        name: run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=120)[0]["outputs"]
+        name: run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=scaled(120))[0]["outputs"]
         for name, path in checkpoints.items()
     }
 
@@ -123,21 +124,23 @@ def _compare(got: list[dict], want: list[dict], path, requests: list[dict]) -> N
 
 @pytest.mark.parametrize("case", ["qwen2_tied", "llama"])
 def test_pp2_matches_transformers_and_pp1(case, checkpoints, pp1) -> None:
-    results = run_gloo(2, _score_worker, 1, 2, str(checkpoints[case]), 0, timeout=180)
+    results = run_gloo(2, _score_worker, 1, 2, str(checkpoints[case]), 0, timeout=scaled(180))
     assert [r["layers"] for r in results] == [2, 1]  # 3 layers: the first stage takes the extra
     _compare(results[0]["outputs"], pp1[case], checkpoints[case], _requests())
 
 
 def test_two_pipeline_replicas_in_one_launch(checkpoints, pp1) -> None:
     # dp = 2 x pp = 2: ranks 0-1 and 2-3 are two replicas, each leader gets every output.
-    results = run_gloo(4, _score_worker, 1, 2, str(checkpoints["llama"]), 0, timeout=240)
+    results = run_gloo(4, _score_worker, 1, 2, str(checkpoints["llama"]), 0, timeout=scaled(240))
     assert results[1]["outputs"] is None and results[3]["outputs"] is None
     for leader in (0, 2):
         _compare(results[leader]["outputs"], pp1["llama"], checkpoints["llama"], _requests())
 
 
 def test_tp2_pp2_matches_transformers_and_pp1(checkpoints, pp1) -> None:
-    results = run_gloo(4, _score_worker, 2, 2, str(checkpoints["qwen2_tied"]), 0, timeout=240)
+    results = run_gloo(
+        4, _score_worker, 2, 2, str(checkpoints["qwen2_tied"]), 0, timeout=scaled(240)
+    )
     assert [r["layers"] for r in results] == [2, 2, 1, 1]
     _compare(results[0]["outputs"], pp1["qwen2_tied"], checkpoints["qwen2_tied"], _requests())
 
@@ -149,8 +152,8 @@ def test_moe_ep2_pp2_matches_transformers_and_pp1(hf_checkpoint) -> None:
             "qwen3_moe", "pp-qwen3-moe", seed=33, vocab_size=VOCAB, num_layers=3, num_experts=4
         )
     )
-    [want] = run_gloo(1, _score_worker, 1, 1, path, 0, timeout=120)
-    results = run_gloo(4, _score_worker, 1, 2, path, 0, 2, timeout=240)
+    [want] = run_gloo(1, _score_worker, 1, 1, path, 0, timeout=scaled(120))
+    results = run_gloo(4, _score_worker, 1, 2, path, 0, 2, timeout=scaled(240))
     assert [r["layers"] for r in results] == [2, 2, 1, 1]
     _compare(results[0]["outputs"], want["outputs"], path, _requests())
 
@@ -163,7 +166,9 @@ def test_torch_dist_checkpoint_loads_by_stage(checkpoints, pp1, layout, tmp_path
     model, spec = load_hf_checkpoint(checkpoints["qwen2_tied"], layout)
     save_megatron_checkpoint(model, tmp_path / "mg", spec=spec)
     for tp, world in ((1, 2), (2, 4)):
-        results = run_gloo(world, _score_worker, tp, 2, str(tmp_path / "mg"), 0, timeout=240)
+        results = run_gloo(
+            world, _score_worker, tp, 2, str(tmp_path / "mg"), 0, timeout=scaled(240)
+        )
         _compare(results[0]["outputs"], pp1["qwen2_tied"], checkpoints["qwen2_tied"], _requests())
 
 
@@ -176,8 +181,8 @@ def test_moe_torch_dist_checkpoint_loads_by_stage(hf_checkpoint, layout, tmp_pat
     )
     model, spec = load_hf_checkpoint(path, layout)
     save_megatron_checkpoint(model, tmp_path / "mg", spec=spec)
-    [want] = run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=120)
-    results = run_gloo(2, _score_worker, 1, 2, str(tmp_path / "mg"), 0, timeout=240)
+    [want] = run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=scaled(120))
+    results = run_gloo(2, _score_worker, 1, 2, str(tmp_path / "mg"), 0, timeout=scaled(240))
     _compare(results[0]["outputs"], want["outputs"], path, _requests())
 
 
@@ -185,7 +190,7 @@ def test_one_microbatch_and_many_agree(checkpoints, pp1) -> None:
     # One micro-batch at a time (no overlap) and more micro-batches than documents allow.
     path = str(checkpoints["llama"])
     for microbatches in (1, 50):
-        results = run_gloo(2, _score_worker, 1, 2, path, microbatches, timeout=180)
+        results = run_gloo(2, _score_worker, 1, 2, path, microbatches, timeout=scaled(180))
         _compare(results[0]["outputs"], pp1["llama"], path, _requests())
 
 
@@ -223,7 +228,7 @@ def _failing_stage_worker(rank: int, world: int, path: str, failing_rank: int):
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_failing_stage_fails_the_batch_on_every_stage(checkpoints, pp1, failing_rank) -> None:
     path = str(checkpoints["llama"])
-    results = run_gloo(2, _failing_stage_worker, path, failing_rank, timeout=180)
+    results = run_gloo(2, _failing_stage_worker, path, failing_rank, timeout=scaled(180))
     assert all(r["failed"] for r in results), results
     assert "injected stage failure" in results[failing_rank]["failed"]
     _compare(results[0]["outputs"], pp1["llama"], path, _requests())
@@ -287,7 +292,7 @@ def test_a_vanished_stage_breaks_the_replica_instead_of_failing_jobs(checkpoints
     # A stage that is gone is not the batch's fault: the leader must not fail (and in the end
     # dead-letter) jobs for it, but end with ReplicaBroken (the process exits; see
     # consumer/agreement.py), so its entries go to another consumer.
-    results = run_gloo(2, _peer_gone_worker, str(checkpoints["llama"]), timeout=120)
+    results = run_gloo(2, _peer_gone_worker, str(checkpoints["llama"]), timeout=scaled(120))
     assert results[1] == "left"
     assert results[0].startswith("broken: ") and "a peer rank is gone" in results[0], results[0]
 
@@ -317,8 +322,8 @@ def _random_init_worker(rank: int, world: int, pp: int, tied: bool):
 def test_random_weights_are_one_teacher_whatever_the_stages(tied) -> None:
     # The tiny preset (random weights from a seed) is the same model at pp = 2 as at pp = 1:
     # each stage keeps its part of the whole model drawn as at pp = 1.
-    [want] = run_gloo(1, _random_init_worker, 1, tied, timeout=120)
-    got = run_gloo(2, _random_init_worker, 2, tied, timeout=120)[0]
+    [want] = run_gloo(1, _random_init_worker, 1, tied, timeout=scaled(120))
+    got = run_gloo(2, _random_init_worker, 2, tied, timeout=scaled(120))[0]
     for g, w in zip(got, want, strict=True):
         for key, value in g.items():
             if value.dtype.kind in "iu":
@@ -339,9 +344,9 @@ def _saved_by_stages_scores_at_pp1(path, out, want: list[dict], *, tp=1, ep=1) -
     """Save a pp = 2 model (each stage its own layers, under their global indices) and load
     the checkpoint whole at pp = 1: it scores as `want`."""
     world = 2 * max(tp, ep)
-    layers = run_gloo(world, _save_worker, tp, 2, str(path), str(out), ep, timeout=240)
+    layers = run_gloo(world, _save_worker, tp, 2, str(path), str(out), ep, timeout=scaled(240))
     assert sorted(set(layers)) == [1, 2]  # 3 layers over two stages: 2 + 1
-    [got] = run_gloo(1, _score_worker, 1, 1, str(out), 0, timeout=120)
+    [got] = run_gloo(1, _score_worker, 1, 1, str(out), 0, timeout=scaled(120))
     assert got["layers"] == 3
     _compare(got["outputs"], want, path, _requests())
 
@@ -363,5 +368,5 @@ def test_moe_torch_dist_checkpoint_saved_by_stages_loads_at_pp1(ep, hf_checkpoin
     path = hf_checkpoint(
         "qwen3_moe", "pp-qwen3-moe", seed=33, vocab_size=VOCAB, num_layers=3, num_experts=4
     )
-    [want] = run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=120)
+    [want] = run_gloo(1, _score_worker, 1, 1, str(path), 0, timeout=scaled(120))
     _saved_by_stages_scores_at_pp1(path, tmp_path / "mg", want["outputs"], ep=ep)

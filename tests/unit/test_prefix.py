@@ -25,6 +25,7 @@ from consumer.prefix import (
 )
 from shared.messages import Job, Limits, TeacherRequest, decode_job, encode_job
 from tests.gloo import run_gloo
+from tests.timing import scaled
 
 ATOL = 2e-5
 VOCAB = 300
@@ -346,7 +347,7 @@ def _tp2_worker(rank: int, world_size: int, paths: dict[str, str]) -> dict:
 
 def test_tp2_shared_prompts_score_as_each_job_alone_at_tp1(layout, checkpoints) -> None:
     names = ["llama3_rope", "qwen3_qknorm_head_dim"]
-    ranks = run_gloo(2, _tp2_worker, {n: str(checkpoints[n]) for n in names}, timeout=180)
+    ranks = run_gloo(2, _tp2_worker, {n: str(checkpoints[n]) for n in names}, timeout=scaled(180))
     jobs, _ = _workload(seed=9)
     for name in names:
         alone = _score_alone(_scorer(checkpoints[name], layout), jobs)

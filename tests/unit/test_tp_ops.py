@@ -33,6 +33,7 @@ from consumer.tp_ops import (
 )
 from consumer.tp_ops.local import local_samples
 from tests.gloo import run_gloo
+from tests.timing import scaled
 
 TP_SIZES = (1, 2, 4)
 VOCAB, PADDED = 1000, 1024
@@ -227,7 +228,7 @@ def _spec_cached() -> dict:
 
 @functools.cache
 def _results(tp: int) -> list[dict]:
-    return run_gloo(tp, _tp_worker, _spec_cached(), timeout=180)
+    return run_gloo(tp, _tp_worker, _spec_cached(), timeout=scaled(180))
 
 
 @pytest.fixture(scope="module", params=TP_SIZES, ids=[f"tp{t}" for t in TP_SIZES])

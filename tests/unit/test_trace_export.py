@@ -27,6 +27,7 @@ from shared import tracing
 from shared.trace_store import decode_spans, encode_span, job_subset
 from shared.tracing import SpanRecord, record, span
 from tests.conftest import REPO
+from tests.timing import scaled
 
 JOB_PHASES = ["submit", "queue_wait", "claim", "pack", "forward", "head", "store", "ack"]
 
@@ -255,7 +256,7 @@ def test_installed_package_renders_the_same_page(records, tmp_path: Path) -> Non
         + ["-w", str(tmp_path / "dist"), str(src)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (tmp_path / "dist").glob("teacherq-*.whl")
@@ -279,7 +280,7 @@ def test_installed_package_renders_the_same_page(records, tmp_path: Path) -> Non
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     installed_from, page = json.loads(out.stdout)
