@@ -26,7 +26,7 @@ from shared.settings import Settings, to_env
 from shared.streams import Streams
 from tests.conftest import REPO
 from tests.processes import Valkey, terminate
-from tests.timing import scaled
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -122,6 +122,22 @@ def _record(status: str, job_id: str) -> dict:
     return {"v": "1", "status": status, "meta": json.dumps({"job_id": job_id, "error": None})}
 
 
+def _wait_idle(r: redis.Redis, streams: Streams, ids: list, *, ms: int) -> None:
+    """Wait until every entry in `ids` has been idle (since its last delivery) for `ms`."""
+
+    def idle() -> bool:
+        rows = r.xpending_range(streams.jobs, streams.group, "-", "+", 100)
+        times = {row["message_id"]: row["time_since_delivered"] for row in rows}
+        return all(times.get(i, -1) >= ms for i in ids)
+
+    wait_until(idle, f"entries idle for {ms} ms", timeout=10)
+
+
+def _blocked_on(r: redis.Redis, command: str) -> bool:
+    """Whether some client of `r` is blocked in `command` (CLIENT LIST flag b)."""
+    return any(c.get("cmd") == command and "b" in c.get("flags", "") for c in r.client_list())
+
+
 def test_real_result_replaces_a_dead_letter_and_never_the_reverse(r, settings) -> None:
     """A dead letter written first is replaced by the real result (record and dead-letter
     entry), and a dead letter that comes after a real result is not written at all."""
@@ -177,7 +193,7 @@ def test_group_and_refresh_work_while_redis_is_full(small_redis, settings) -> No
     assert small_redis.full()
     streams.ensure_group()  # XGROUP CREATE is refused under OOM; the group exists: fine
     mine = Claimer(streams, "me", visibility_timeout_s=60, block_ms=10)
-    time.sleep(0.2)
+    _wait_idle(r, streams, ids, ms=200)
     r.xclaim(streams.jobs, streams.group, "other", min_idle_time=0, message_ids=[ids[2]])
     assert mine.touch([i.decode() for i in ids]) == 2, "refreshes its own two, not the third"
     rows = r.xpending_range(streams.jobs, streams.group, "-", "+", 10)
@@ -211,7 +227,7 @@ def test_submit_refuses_or_blocks_above_the_memory_fraction(small_redis, setting
 
     t = threading.Thread(target=lambda: done.extend(client.submit(jobs(1, "waited"))))
     t.start()
-    time.sleep(1.5)
+    wait_until(lambda: _blocked_on(small_redis.r, "xread"), "submit waiting for room", timeout=30)
     assert not done, "blocked while Redis is above the fraction"
     small_redis.free()
     t.join(timeout=scaled(10))
@@ -509,7 +525,7 @@ def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     now = time.time()
     r.hset(beats, "live", json.dumps({"state": "busy", "time": now}))
     r.hset(beats, "gone", json.dumps({"state": "busy", "time": now}))
-    time.sleep(0.6)  # both entries idle past the 0.5 s visibility timeout
+    _wait_idle(r, streams, ids, ms=600)  # both entries idle past the 0.5 s visibility timeout
     r.hset(beats, "live", json.dumps({"state": "busy", "time": time.time()}))
     taker = Claimer(streams, "taker", visibility_timeout_s=0.5, block_ms=10,
                     heartbeat_interval_s=60.0, dead_after_beats=3)  # fmt: skip
@@ -524,7 +540,7 @@ def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     r.hset(beats, "gone", json.dumps({"state": "busy", "time": time.time() - 10}))
     r.xclaim(streams.jobs, streams.group, "gone", min_idle_time=0, message_ids=[ids[1]],
              justid=True)  # fmt: skip
-    time.sleep(0.6)
+    _wait_idle(r, streams, ids[1:], ms=600)
     taker2 = Claimer(streams, "taker2", visibility_timeout_s=0.5, block_ms=10,
                      heartbeat_interval_s=0.1, dead_after_beats=3)  # fmt: skip
     got = taker2.next_entries(1)
@@ -543,7 +559,7 @@ def test_sigterm_while_results_wait_for_room(small_redis, settings, start_consum
     ids = client.submit(jobs(150, "term", length=40))
     client.wait(ids[:4], timeout=scaled(60))
     small_redis.fill()
-    time.sleep(1.0)
+    wait_until(lambda: '"store.retry"' in proc.log_path.read_text(), "a result refused", timeout=60)
     t0 = time.monotonic()
     assert terminate(proc) == 0
     assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10
