@@ -49,7 +49,7 @@ from shared.tracing import new_id, record, span
 from tests.conftest import REPO
 from tests.processes import run_cli as cli
 from tests.processes import run_with_terminal_stderr
-from tests.timing import scaled
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -386,7 +386,14 @@ def test_status_figures_match_a_scripted_scenario(settings: Settings, r: redis.R
 
     reply = r.xreadgroup(client.streams.group, "fake-a", {client.streams.jobs: ">"}, count=2)
     claimed = [eid.decode() for eid, _ in reply[0][1]]
-    time.sleep(0.3)
+    wait_until(
+        lambda: all(
+            row["time_since_delivered"] >= 300
+            for row in r.xpending_range(client.streams.jobs, client.streams.group, "-", "+", 10)
+        ),
+        "claimed entries idle for 0.3 s",
+        timeout=10,
+    )
     snap = client.status()
     assert (snap["queued"], snap["in_flight"], snap["pending_jobs"]) == (2, 2, 4)
     fa = snap["in_flight_by_consumer"]["fake-a"]
@@ -488,7 +495,9 @@ def _samples(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_move_as_jobs_complete_and_health_follows_the_loop() -> None:
-    m = ConsumerMetrics(queue="q1", consumer="c1", health_max_age_s=0.3, busy_max_s=0.8)
+    # Ages scale with the machine's load, so "still healthy" never fails on a slow runner.
+    age, busy_max = scaled(0.3), scaled(0.8)
+    m = ConsumerMetrics(queue="q1", consumer="c1", health_max_age_s=age, busy_max_s=busy_max)
     port = m.serve(0, host="127.0.0.1")
     try:
         code, body = _get(f"http://127.0.0.1:{port}/healthz")
@@ -539,16 +548,20 @@ def test_metrics_move_as_jobs_complete_and_health_follows_the_loop() -> None:
         assert progress["jobs_failed_total"] == 1 and progress["batches_total"] == 1
         assert progress["tokens_per_s"] > 0
 
-        time.sleep(0.45)  # no tick for longer than health_max_age_s
-        code, body = _get(f"http://127.0.0.1:{port}/healthz")
-        assert code == 503 and "no loop tick" in json.loads(body)["reason"]
+        health = f"http://127.0.0.1:{port}/healthz"
+        # No tick for longer than health_max_age_s: unhealthy.
+        code, body = wait_until(lambda: (r := _get(health))[0] == 503 and r, "503", timeout=10)
+        assert "no loop tick" in json.loads(body)["reason"]
         m.tick("busy")
-        time.sleep(0.45)  # busy with one batch: allowed up to busy_max_s
-        code, body = _get(f"http://127.0.0.1:{port}/healthz")
-        assert code == 200 and json.loads(body)["busy_s"] >= 0.4
-        time.sleep(0.5)
-        code, body = _get(f"http://127.0.0.1:{port}/healthz")
-        assert code == 503 and "busy with one batch" in json.loads(body)["reason"]
+        # Busy with one batch longer than health_max_age_s: still healthy up to busy_max_s.
+        busy = wait_until(
+            lambda: (r := _get(health))[0] != 200 or json.loads(r[1]).get("busy_s", 0) > age and r,
+            "busy past health_max_age_s",
+            timeout=10,
+        )
+        assert busy[0] == 200, busy
+        code, body = wait_until(lambda: (r := _get(health))[0] == 503 and r, "503", timeout=10)
+        assert "busy with one batch" in json.loads(body)["reason"]
         m.tick("stopped")
         code, _ = _get(f"http://127.0.0.1:{port}/healthz")
         assert code == 503
