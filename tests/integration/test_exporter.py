@@ -25,7 +25,7 @@ from shared.redis_server import free_port
 from shared.settings import Settings, to_env
 from tests.conftest import REPO
 from tests.processes import stop_all
-from tests.timing import scaled
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -71,8 +71,12 @@ def test_exporter_serves_each_queue_figure(settings: Settings, r, tmp_path) -> N
     log = open(tmp_path / "exporter.log", "w")  # noqa: SIM115 - kept open for the process
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        time.sleep(1.0)  # the oldest job is at least this old at the scrape
-        text, v = scrape(port)
+        oldest = ("teacherq_queue_oldest_pending_seconds", q)
+        text, v = wait_until(
+            lambda: (got := scrape(port))[1].get(oldest, 0) >= 1.0 and got,
+            "a scrape with the oldest job 1 s old",
+            timeout=30,
+        )
     finally:
         stop_all([proc])
     assert proc.returncode == 0, (tmp_path / "exporter.log").read_text()
