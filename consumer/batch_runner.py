@@ -241,6 +241,11 @@ class BatchRunner:
         """The hang watchdog times the batch in flight, if any."""
         self.heartbeat.batch_started = time.monotonic() if self._inflight else None
 
+    def waited_for_redis(self) -> None:
+        """The loop waited for Redis (an outage): that wait is not the device hanging, so the
+        watchdog's clock starts again for the batch in flight, if any."""
+        self._heartbeat_batch()
+
     def _batch_failed(
         self,
         jobs: list[Job],

@@ -86,11 +86,17 @@ class Control:
 
     def check(self) -> None:
         """Apply commands other processes put on the control stream: a weight update, or the
-        news that one failed elsewhere (a replica that loaded it goes back)."""
-        reply = cast(
-            StreamReply,
-            self.r.xread({keys.control_stream(self.queue): self.cursor}, count=100),
-        )
+        news that one failed elsewhere (a replica that loaded it goes back). While Redis is
+        unreachable there is nothing to apply: the next loop's claim waits for it to return,
+        and the commands are read then (the cursor has not moved)."""
+        try:
+            reply = cast(
+                StreamReply,
+                self.r.xread({keys.control_stream(self.queue): self.cursor}, count=100),
+            )
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("control.redis_unavailable", error=str(exc))
+            return
         newest: tuple[str, int] | None = None
         failed: set[int] = set()
         for _stream, entries in reply or []:

@@ -371,6 +371,7 @@ class Leader:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("redis.unavailable", error=str(exc), retry_in_s=delay)
                 time.sleep(delay)
+                self.runner.waited_for_redis()
                 delay = min(delay * 2, 5.0)
 
     def _process(self, entries: list[Entry]) -> None:

@@ -27,7 +27,7 @@ from shared import keys
 from shared.settings import Settings, to_env
 from tests.conftest import REPO
 from tests.processes import Valkey, terminate
-from tests.timing import scaled
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -317,9 +317,9 @@ def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None
 
     producer = threading.Thread(target=produce)
     producer.start()
-    time.sleep(1.0)
+    wait_until(lambda: len(acknowledged) >= 5, "some submits acknowledged", timeout=30)
     own_redis.kill()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage's length (a fault held, not a wait for something to happen)
     own_redis.restart()  # same dir: the AOF brings back every acknowledged write
     producer.join(timeout=scaled(120))
     stop.set()

@@ -275,7 +275,17 @@ def test_consumer_starts_and_stops_while_redis_is_full(small_redis, settings, st
     TeacherClient(s).streams.ensure_group()
     small_redis.fill()
     proc = start_consumer(s)  # waits for its heartbeat: it is written while Redis is full
-    time.sleep(2.0)
+    client = TeacherClient(s)
+    [first] = [c["time"] for c in client.consumers().values()]
+    # Alive through later beats, not only the first: no crash loop while Redis stays full.
+    wait_until(
+        lambda: (
+            proc.poll() is not None
+            or max(c["time"] for c in client.consumers().values()) > first + 1.0
+        ),
+        "a heartbeat a second after the first",
+        timeout=30,
+    )
     assert proc.poll() is None, proc.log_path.read_text()[-2000:]
     t0 = time.monotonic()
     assert terminate(proc) == 0
@@ -377,7 +387,11 @@ def full_redis_run(
         assert sum(c["alive"] for c in beats.values()) == 2, f"alive while full: {beats}"
         assert all(c.get("paused") for c in beats.values()), beats
         small_redis.free()
-        time.sleep(1.0)
+        wait_until(
+            lambda: not any(c.get("paused") for c in client.status()["consumers"].values()),
+            "consumers resumed once Redis has room",
+            timeout=60,
+        )
     assert unfinished[0] >= 20, "Redis filled while the consumers were working"
     results = client.wait(ids, timeout=scaled(600))
     assert all(res.ok for res in results), [res.error for res in results if not res.ok][:3]
