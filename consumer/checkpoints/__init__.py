@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "HfCheckpoint": "hf",
+    "HfCheckpoint": "hf_files",
     "hf_tensor_shapes": "hf",
     "load_hf_checkpoint": "hf",
     "load_hf_weights": "hf",

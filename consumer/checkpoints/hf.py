@@ -22,14 +22,15 @@ Layout conversions, Hugging Face -> megatron-core (local layer spec):
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import structlog
 import torch
 
-from consumer.checkpoints import hf_moe
+from consumer.checkpoints import hf_mla, hf_moe
+from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.validate import (
     CheckpointError,
     check_parallel,
@@ -38,75 +39,26 @@ from consumer.checkpoints.validate import (
 )
 from consumer.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
 from consumer.parallel import ParallelLayout
+from shared.families import FAMILIES, KNOWN_MOE_MODEL_TYPES, Family, describe, family_of
 
-CONFIG_NAME = "config.json"
-INDEX_NAME = "model.safetensors.index.json"
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "HfCheckpoint",
+    "hf_shard_readers",
+    "hf_tensor_shapes",
+    "load_hf_checkpoint",
+    "load_hf_weights",
+    "moe_reason",
+    "spec_from_hf_config",
+    "validate_hf_checkpoint",
+    "validate_hf_config",
+]
 
-# Per family: the architecture class, whether q/k/v carry biases, whether q/k are RMS-normed
-# per head, and the transformers defaults for fields a config.json may leave out.
-_FAMILIES: dict[str, dict] = {
-    "llama": {
-        "architecture": "LlamaForCausalLM",
-        "qkv_bias": False,
-        "qk_norm": False,
-        "head_dim": None,  # None: hidden_size // num_attention_heads
-        "max_position_embeddings": 2048,
-    },
-    "qwen2": {
-        "architecture": "Qwen2ForCausalLM",
-        "qkv_bias": True,
-        "qk_norm": False,
-        "head_dim": None,
-        "max_position_embeddings": 32768,
-    },
-    "qwen3": {
-        "architecture": "Qwen3ForCausalLM",
-        "qkv_bias": False,
-        "qk_norm": True,
-        "head_dim": 128,  # Qwen3Config's default, not hidden_size // heads
-        "max_position_embeddings": 32768,
-    },
-    "qwen3_moe": {
-        "architecture": "Qwen3MoeForCausalLM",
-        "qkv_bias": False,
-        "qk_norm": True,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-    },
-    "qwen2_moe": {
-        "architecture": "Qwen2MoeForCausalLM",
-        "qkv_bias": True,  # Qwen2MoeConfig.qkv_bias's default; a config may say otherwise
-        "qk_norm": False,
-        "head_dim": None,
-        "max_position_embeddings": 8192,
-    },
-    "mixtral": {
-        "architecture": "MixtralForCausalLM",
-        "qkv_bias": False,
-        "qk_norm": False,
-        "head_dim": None,
-        "max_position_embeddings": 4096 * 32,
-    },
-}
-SUPPORTED_FAMILIES = tuple(_FAMILIES)
+log = structlog.get_logger(__name__)
 
-# model_types that are mixture-of-experts (whatever else their config carries).
-_MOE_MODEL_TYPES = {
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "qwen3_next",
-    "deepseek_v2",
-    "deepseek_v3",
-    "dbrx",
-    "olmoe",
-    "granitemoe",
-    "phimoe",
-    "jetmoe",
-    "llama4",
-    "llama4_text",
-    "gpt_oss",
-}
+
+SUPPORTED_FAMILIES = tuple(FAMILIES)
+
 # Config fields that only mixture-of-experts configs set to a non-empty value.
 _MOE_FIELDS = (
     "num_experts",
@@ -139,7 +91,7 @@ def megatron_llama3_constants() -> dict[str, float]:
 def moe_reason(config: dict) -> str | None:
     """Why `config` describes a mixture-of-experts model, or None for a dense one."""
     model_type = str(config.get("model_type") or "")
-    if model_type in _MOE_MODEL_TYPES or "moe" in model_type.lower():
+    if model_type in KNOWN_MOE_MODEL_TYPES or "moe" in model_type.lower():
         return f"model_type {model_type!r} is a mixture-of-experts architecture"
     for arch in config.get("architectures") or []:
         lowered = str(arch).lower()
@@ -152,23 +104,19 @@ def moe_reason(config: dict) -> str | None:
     return None
 
 
-def _family(config: dict) -> str:
-    model_type = config.get("model_type")
-    if model_type in _FAMILIES:
-        return model_type
-    by_arch = {f["architecture"]: name for name, f in _FAMILIES.items()}
-    for arch in config.get("architectures") or []:
-        if arch in by_arch and model_type is None:
-            return by_arch[arch]
-    raise CheckpointError(
-        f"unsupported architecture: model_type={model_type!r}, "
-        f"architectures={config.get('architectures')!r}; supported families: "
-        + ", ".join(f"{name} ({f['architecture']})" for name, f in _FAMILIES.items())
-    )
+def _family(config: dict) -> Family:
+    family = family_of(config.get("model_type"), config.get("architectures"))
+    if family is None:
+        raise CheckpointError(
+            f"unsupported architecture: model_type={config.get('model_type')!r}, "
+            f"architectures={config.get('architectures')!r}; supported families: {describe()}"
+        )
+    return family
 
 
-def _rope(config: dict) -> tuple[float, dict | None]:
-    """(rope_theta, normalised rope_scaling or None), accepting both config generations.
+def _rope(config: dict, family: Family) -> tuple[float, dict | None, float]:
+    """(rope_theta, normalised rope_scaling or None, partial_rotary_factor), accepting both
+    config generations.
 
     transformers < 5 writes `rope_theta` and `rope_scaling` at the top level; transformers 5
     writes one `rope_parameters` dict holding the theta, the type and its parameters.
@@ -181,9 +129,15 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     scaling = dict(config.get("rope_scaling") or params)
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    partial = scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise CheckpointError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    default = family.partial_rotary_factor or 1.0
+    partial = scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    partial = default if partial is None else float(partial)
+    if partial != 1.0 and family.partial_rotary_factor is None:
+        raise CheckpointError(
+            f"partial_rotary_factor={partial} is not supported for {family.name} (only 1.0)"
+        )
+    if not 0.0 < partial <= 1.0:
+        raise CheckpointError(f"partial_rotary_factor={partial} must be in (0, 1]")
     if theta is None or float(theta) <= 0:
         raise CheckpointError(f"rope_theta must be positive, got {theta!r}")
     theta = float(theta)
@@ -191,16 +145,20 @@ def _rope(config: dict) -> tuple[float, dict | None]:
         # build_model hands megatron an integer rotary_base
         raise CheckpointError(f"rope_theta={theta} is not an integer; megatron needs an int base")
     if kind == "default":
-        return theta, None
-    if kind == "linear":
+        return theta, None, partial
+    if kind == "linear" and family.attention == "gqa":
         if not scaling.get("factor"):
             raise CheckpointError("linear rope scaling lacks its factor")
-        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
-    if kind == "llama3":
-        return theta, {"rope_type": "llama3", **_llama3_params(config, scaling)}
+        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}, partial
+    if kind == "llama3" and family.attention == "gqa":
+        return theta, {"rope_type": "llama3", **_llama3_params(config, scaling)}, partial
+    if kind == "yarn" and family.attention == "mla":
+        return theta, hf_mla.yarn_params(config, scaling), partial
+    supported = "'yarn'" if family.attention == "mla" else "'llama3' (with megatron's fixed "
+    supported += "" if family.attention == "mla" else "parameters), 'linear'"
     raise CheckpointError(
-        f"rope scaling type {kind!r} is not supported; supported: 'llama3' (with megatron's "
-        "fixed parameters), 'linear', or none"
+        f"rope scaling type {kind!r} is not supported for {family.name}; supported: "
+        f"{supported}, or none"
     )
 
 
@@ -250,36 +208,42 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
     except CheckpointError:
         if not reason:
             raise
-        family = ""
-    if reason and family not in hf_moe.MOE_FAMILIES:
         raise CheckpointError(
             f"this mixture-of-experts model is not supported: {reason}; supported families: "
             f"{'/'.join(SUPPORTED_FAMILIES)}"
-        )
-    defaults = _FAMILIES[family]
-    moe = hf_moe.moe_fields(family, config) if family in hf_moe.MOE_FAMILIES else {}
+        ) from None
+    moe = hf_moe.moe_fields(family, config) if family.is_moe else {}
     required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers")
     required += ("num_attention_heads",) if moe else ("num_attention_heads", "intermediate_size")
     absent = [k for k in required if config.get(k) is None]
     if absent:
-        raise CheckpointError(f"{family} config lacks required fields: {', '.join(absent)}")
-    problems = _feature_problems(config)
+        raise CheckpointError(f"{family.name} config lacks required fields: {', '.join(absent)}")
+    problems = _feature_problems(config, family)
     if problems:
-        raise CheckpointError(f"unsupported {family} config: " + "; ".join(problems))
+        raise CheckpointError(f"unsupported {family.name} config: " + "; ".join(problems))
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    head_dim = config.get("head_dim") or defaults["head_dim"]
-    if head_dim is None:
+    mla = hf_mla.mla_fields(config) if family.attention == "mla" else {}
+    head_dim = config.get("head_dim") or family.head_dim
+    if mla:
+        head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    elif head_dim is None:
         if hidden % heads:
             raise CheckpointError(f"hidden_size={hidden} is not divisible by heads={heads}")
         head_dim = hidden // heads
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    # latent attention has no KV heads of its own: every head gets its keys from the latent
+    kv_heads = heads if mla else int(config.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise CheckpointError(
             f"num_attention_heads={heads} is not a multiple of kv heads={kv_heads}"
         )
-    theta, scaling = _rope(config)
+    theta, scaling, partial = _rope(config, family)
+    qkv_bias, qk_norm = family.qkv_bias, family.qk_norm
+    if family.qkv_bias_field:
+        qkv_bias = bool(config.get(family.qkv_bias_field, qkv_bias))
+    if family.qk_norm_field:
+        qk_norm = bool(config.get(family.qk_norm_field, qk_norm))
     return ModelSpec(
-        family=family,
+        family=family.name,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
         num_layers=int(config["num_hidden_layers"]),
@@ -289,25 +253,25 @@ def spec_from_hf_config(config: dict) -> ModelSpec:
         head_dim=int(head_dim),
         rope_theta=theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        qkv_bias=bool(config.get("qkv_bias", defaults["qkv_bias"]))
-        if family == "qwen2_moe"
-        else defaults["qkv_bias"],
-        qk_norm=defaults["qk_norm"],
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=int(
-            config.get("max_position_embeddings") or defaults["max_position_embeddings"]
+            config.get("max_position_embeddings") or family.max_position_embeddings
         ),
         rope_scaling=scaling,
+        rotary_percent=partial,
         **moe,
+        **mla,
     )
 
 
-def _feature_problems(config: dict) -> list[str]:
+def _feature_problems(config: dict, family: Family) -> list[str]:
     problems = []
     act = config.get("hidden_act", config.get("hidden_activation", "silu"))
     if act != "silu":
         problems.append(f"hidden_act={act!r} (only 'silu' / SwiGLU)")
-    if config.get("attention_bias"):
+    if config.get("attention_bias") and family.qkv_bias_field != "attention_bias":
         problems.append("attention_bias=true (megatron cannot bias o_proj without the MLP)")
     if config.get("mlp_bias"):
         problems.append("mlp_bias=true")
@@ -346,24 +310,16 @@ def hf_tensor_shapes(spec: ModelSpec, found: Iterable[str] = ()) -> dict[str, tu
     """Every tensor a Hugging Face checkpoint of `spec` must hold, with its shape (for a MoE
     model, in the expert layout the tensor names `found` use)."""
     names = set(found)
-    h, d, f, v = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size, spec.vocab_size
-    q_rows, kv_rows = spec.num_attention_heads * d, spec.num_kv_heads * d
+    h, f, v = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_rows, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, h)
-        if spec.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
-        if spec.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.is_mla:
+            shapes.update(hf_mla.attention_shapes(spec, p + "self_attn."))
+        else:
+            shapes.update(_gqa_shapes(spec, p + "self_attn."))
         if spec.is_sparse_layer(i):
             shapes.update(hf_moe.sparse_layer_shapes(spec, hf_moe.expert_names(spec, i, names)))
             continue
@@ -376,99 +332,43 @@ def hf_tensor_shapes(spec: ModelSpec, found: Iterable[str] = ()) -> dict[str, tu
     return shapes
 
 
+def _gqa_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """Grouped-query attention's tensors of one layer (`p` = `model.layers.{i}.self_attn.`)."""
+    h, d = spec.hidden_size, spec.kv_channels
+    q_rows, kv_rows = spec.num_attention_heads * d, spec.num_kv_heads * d
+    shapes = {p + "q_proj.weight": (q_rows, h), p + "k_proj.weight": (kv_rows, h),
+              p + "v_proj.weight": (kv_rows, h), p + "o_proj.weight": (h, q_rows)}  # fmt: skip
+    if spec.qkv_bias:
+        shapes.update({p + "q_proj.bias": (q_rows,), p + "k_proj.bias": (kv_rows,),
+                       p + "v_proj.bias": (kv_rows,)})  # fmt: skip
+    if spec.qk_norm:
+        shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
+    return shapes
+
+
 def _ignorable(spec: ModelSpec, found: dict[str, tuple[int, ...]]) -> list[str]:
     # Old Llama exports carry the (recomputed) RoPE buffer; tied checkpoints sometimes still
     # store the lm_head copy of the embedding, which transformers ignores as well.
     names = [n for n in found if n.endswith(".rotary_emb.inv_freq")]
     if spec.tie_embeddings and found.get("lm_head.weight") == (spec.vocab_size, spec.hidden_size):
         names.append("lm_head.weight")
-    return names
+    return names + nextn_layers(spec, found)
 
 
-class HfCheckpoint:
-    """A Hugging Face safetensors directory: its config, tensor shapes, and sliced reads.
-
-    Nothing but headers is read until `read` asks for (part of) a tensor.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"Hugging Face checkpoint directory not found: {self.path}")
-        config_path = self.path / CONFIG_NAME
-        if not config_path.is_file():
-            raise CheckpointError(f"no {CONFIG_NAME} in {self.path}")
-        self.config: dict = json.loads(config_path.read_text())
-        self._handles: dict[Path, object] = {}
-        self._file_of = self._locate_tensors()
-        self._shapes: dict[str, tuple[int, ...]] | None = None
-
-    def _locate_tensors(self) -> dict[str, Path]:
-        index_path = self.path / INDEX_NAME
-        if index_path.is_file():
-            weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
-            files = {name: self.path / file for name, file in weight_map.items()}
-            gone = sorted({p.name for p in files.values() if not p.is_file()})
-            if gone:
-                raise CheckpointError(f"{INDEX_NAME} in {self.path} lists absent files: {gone}")
-            return files
-        shards = sorted(self.path.glob("*.safetensors"))
-        if not shards:
-            raise CheckpointError(f"no *.safetensors files in {self.path}")
-        found: dict[str, Path] = {}
-        for shard in shards:
-            for name in self._open(shard).keys():  # noqa: SIM118 - safe_open is not a dict
-                if name in found:
-                    raise CheckpointError(
-                        f"tensor {name} is stored twice: in {found[name].name} and {shard.name}"
-                    )
-                found[name] = shard
-        return found
-
-    def _open(self, file: Path):
-        from safetensors import safe_open
-
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        return self._handles[file]
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every tensor stored (from the file headers only)."""
-        if self._shapes is None:
-            shapes = {}
-            for name, file in self._file_of.items():
-                handle = self._open(file)
-                if name not in set(handle.keys()):
-                    raise CheckpointError(
-                        f"{INDEX_NAME} maps {name} to {file.name}, which lacks it"
-                    )
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-            self._shapes = shapes
-        return self._shapes
-
-    def read_slices(self, name: str, *slices: slice) -> torch.Tensor:
-        """Tensor `name` sliced along its leading dimensions (e.g. experts, rows, columns)."""
-        return self._open(self._file_of[name]).get_slice(name)[slices]
-
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it."""
-        view = self._open(self._file_of[name]).get_slice(name)
-        if cols is not None:
-            return view[rows or slice(None), cols]
-        if rows is not None:
-            return view[rows]
-        return view[:]
-
-    def close(self) -> None:
-        """Drop the open file handles (the memory maps go with them)."""
-        self._handles.clear()
-
-    def __enter__(self) -> HfCheckpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def nextn_layers(spec: ModelSpec, found: Iterable[str]) -> list[str]:
+    """Tensors of the multi-token-prediction layers that published DeepSeek-V3 / GLM-4.5
+    checkpoints carry after the model's own (`model.layers.{num_hidden_layers}.` on): not part
+    of the forward, so never read."""
+    family = spec.family_record
+    if family is None or not family.nextn_layers:
+        return []
+    out = []
+    for name in found:
+        head, _, rest = name.partition("model.layers.")
+        index = rest.partition(".")[0]
+        if not head and index.isdigit() and int(index) >= spec.num_layers:
+            out.append(name)
+    return out
 
 
 def validate_hf_checkpoint(
@@ -557,9 +457,7 @@ def hf_shard_readers(
     """For each megatron parameter name, how to read this rank's shard of it from Hugging Face
     (`found`: the checkpoint's tensor names, which say how a MoE model stores its experts)."""
     names = set(found)
-    tp, rank = layout.tp, layout.tp_rank
-    ffn = _block(spec.ffn_hidden_size, tp, rank)
-    attn_cols = _block(spec.num_attention_heads * spec.kv_channels, tp, rank)
+    ffn = _block(spec.ffn_hidden_size, layout.tp, layout.tp_rank)
     readers: dict[str, Reader] = {}
     if layout.is_first_stage:
         embedding = _vocab_rows(spec, "model.embed_tokens.weight", layout)
@@ -573,15 +471,12 @@ def hf_shard_readers(
     # A pipeline stage reads only its layers; megatron numbers them from 0 within the stage.
     for local, i in enumerate(stage_layers(spec.num_layers, layout.pp, layout.pp_rank)):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
-        attn = hf + "self_attn."
+        attn, mg_attn = hf + "self_attn.", mg + "self_attention."
         readers[mg + "input_layernorm.weight"] = _whole(hf + "input_layernorm.weight")
-        readers[mg + "self_attention.linear_qkv.weight"] = _fused_qkv(spec, attn, "weight", layout)
-        if spec.qkv_bias:
-            readers[mg + "self_attention.linear_qkv.bias"] = _fused_qkv(spec, attn, "bias", layout)
-        if spec.qk_norm:
-            readers[mg + "self_attention.q_layernorm.weight"] = _whole(attn + "q_norm.weight")
-            readers[mg + "self_attention.k_layernorm.weight"] = _whole(attn + "k_norm.weight")
-        readers[mg + "self_attention.linear_proj.weight"] = _cols(attn + "o_proj.weight", attn_cols)
+        if spec.is_mla:
+            readers.update(hf_mla.attention_readers(spec, layout, attn, mg_attn))
+        else:
+            readers.update(_gqa_readers(spec, layout, attn, mg_attn))
         readers[mg + "pre_mlp_layernorm.weight"] = _whole(hf + "post_attention_layernorm.weight")
         if spec.is_sparse_layer(i):
             expert_names = hf_moe.expert_names(spec, i, names)
@@ -589,6 +484,21 @@ def hf_shard_readers(
             continue
         readers[mg + "mlp.linear_fc1.weight"] = _gate_up(hf + "mlp.", ffn)
         readers[mg + "mlp.linear_fc2.weight"] = _cols(hf + "mlp.down_proj.weight", ffn)
+    return readers
+
+
+def _gqa_readers(spec: ModelSpec, layout: ParallelLayout, attn: str, mg: str) -> dict[str, Reader]:
+    """megatron's SelfAttention at prefix `mg` from Hugging Face prefix `attn`."""
+    cols = _block(spec.num_attention_heads * spec.kv_channels, layout.tp, layout.tp_rank)
+    readers = {
+        mg + "linear_qkv.weight": _fused_qkv(spec, attn, "weight", layout),
+        mg + "linear_proj.weight": _cols(attn + "o_proj.weight", cols),
+    }
+    if spec.qkv_bias:
+        readers[mg + "linear_qkv.bias"] = _fused_qkv(spec, attn, "bias", layout)
+    if spec.qk_norm:
+        readers[mg + "q_layernorm.weight"] = _whole(attn + "q_norm.weight")
+        readers[mg + "k_layernorm.weight"] = _whole(attn + "k_norm.weight")
     return readers
 
 
@@ -618,6 +528,11 @@ def load_hf_weights(
     """
     ckpt = checkpoint if isinstance(checkpoint, HfCheckpoint) else HfCheckpoint(checkpoint)
     readers = hf_shard_readers(spec, layout, ckpt.shapes)
+    skipped = nextn_layers(spec, ckpt.shapes)
+    if skipped:
+        layers = sorted({int(n.split(".")[2]) for n in skipped})
+        log.info("checkpoint.nextn_layers_skipped", layers=layers, tensors=len(skipped),
+                 reason="multi-token-prediction layers are not part of the forward")  # fmt: skip
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))

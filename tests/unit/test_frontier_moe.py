@@ -1,0 +1,156 @@
+"""DeepSeek-V3 (multi-head latent attention, DeepSeekMoE routing) and GLM-4.5 MoE teachers (#36):
+checkpoints written by transformers, scored through the real Scorer at TP=1, EP=2, TP=2 and
+TP=2 x EP=2 on gloo, against transformers' own forward in float32. The tiny configs keep every
+feature on: q-LoRA and no q-LoRA, several expert groups of which a token may use some, a
+correction bias that moves the choice, shared experts, dense first layers, YaRN with its
+mscale, interleaved and plain rotary layouts (DeepSeek); partial rotary, q/k norms and q/k/v
+biases (GLM). Router weights are drawn large so the choice of experts is decisive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from consumer.batching import batch_from_jobs
+from consumer.checkpoints import CheckpointError
+from shared.messages import Job, TeacherRequest
+from tests.gloo import run_gloo
+from tests.reference import hf_full_log_softmax
+
+ATOL = 2e-3
+VOCAB = 300
+TOP_K = 3
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 1.0}  # fmt: skip
+MOE = {"num_layers": 3, "num_experts": 8, "top_k": 3, "moe_intermediate_size": 16,
+       "first_k_dense_replace": 1}  # fmt: skip
+CASES = {
+    # q-LoRA, 4 groups of 2 experts of which a token uses 2, 2 shared experts, YaRN, interleaved
+    # rotary pairs, renormalised and scaled weights
+    "deepseek_v3": {"family": "deepseek_v3", **MOE, "n_group": 4, "topk_group": 2,
+                    "n_shared_experts": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                    "rope_scaling": YARN},
+    # no q-LoRA, rotate-half rotary, one group, unnormalised weights, two dense layers
+    "deepseek_v3_plain": {"family": "deepseek_v3", **MOE, "q_lora_rank": None,
+                          "rope_interleave": False, "first_k_dense_replace": 2},
+    # partial rotary, q/k norms, q/k/v biases, 2 groups of which a token uses 1
+    "glm4_moe": {"family": "glm4_moe", **MOE, "head_dim": 16, "partial_rotary_factor": 0.5,
+                 "use_qk_norm": True, "attention_bias": True, "n_group": 2, "topk_group": 1,
+                 "norm_topk_prob": True, "routed_scaling_factor": 1.5},
+}  # fmt: skip
+LENGTHS = [9, 14, 6, 11]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_checkpoint) -> dict[str, str]:
+    return {
+        name: str(
+            hf_checkpoint(
+                case["family"],
+                f"frontier-{name}",
+                seed=7,
+                vocab_size=VOCAB,
+                num_kv_heads=4,
+                **{k: v for k, v in case.items() if k != "family"},
+            )
+        )
+        for name, case in CASES.items()
+    }
+
+
+def _jobs(lengths: list[int], seed: int) -> list[Job]:
+    rng = np.random.default_rng(seed)
+    return [
+        Job(job_id=f"j{i}", entry_id=f"0-{i}", submitted_at=0.0,
+            request=TeacherRequest(input_ids=rng.integers(0, VOCAB, n).tolist(), top_k=TOP_K,
+                                   sample_n=2, return_entropy=True, seed=i))
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+
+
+def _batches() -> list[list[Job]]:
+    together = _jobs(LENGTHS, seed=3)
+    return [together, together[1:2]]
+
+
+def _score(model, spec, layout) -> list:
+    from consumer.scoring import Scorer
+
+    scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+    return [scorer.score(batch_from_jobs(jobs)) for jobs in _batches()]
+
+
+def _score_all(layout, checkpoints: dict[str, str]) -> dict:
+    from consumer.checkpoints import load_hf_checkpoint
+
+    return {name: _score(*load_hf_checkpoint(path, layout), layout)
+            for name, path in checkpoints.items()}  # fmt: skip
+
+
+def _layout_worker(rank: int, world_size: int, tp: int, ep: int, checkpoints):
+    from consumer import cpu_compat
+    from consumer.parallel import init_parallel
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=tp, pp=1, ep=ep)
+    scored = _score_all(layout, checkpoints)
+    return scored if layout.is_leader else None
+
+
+@pytest.fixture(scope="module")
+def tp1_scores(layout, checkpoints) -> dict:
+    return _score_all(layout, checkpoints)
+
+
+def _check_against_transformers(path: str, jobs: list[Job], got: list[dict]) -> None:
+    for job, out in zip(jobs, got, strict=True):
+        ids = np.asarray(job.request.input_ids)
+        ref = hf_full_log_softmax(path, ids)
+        np.testing.assert_allclose(out["logprobs"], ref[np.arange(len(ids) - 1), ids[1:]],
+                                   atol=ATOL, rtol=0)  # fmt: skip
+        top = np.argsort(-ref, axis=-1, kind="stable")[:, :TOP_K]
+        np.testing.assert_array_equal(out["topk_token_ids"], top)
+        np.testing.assert_allclose(out["topk_logprobs"], np.take_along_axis(ref, top, -1),
+                                   atol=ATOL, rtol=0)  # fmt: skip
+        entropy = -(np.exp(ref) * ref).sum(-1)
+        np.testing.assert_allclose(out["entropy"], entropy, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp1_matches_transformers(name, checkpoints, tp1_scores):
+    """Log-probs, top-k and entropy of a packed batch equal transformers' float32 forward."""
+    _check_against_transformers(checkpoints[name], _batches()[0], tp1_scores[name][0])
+
+
+def test_outputs_do_not_depend_on_batch_mates(tp1_scores):
+    """A job scores and samples the same alone as packed with three others."""
+    for name, (together, alone) in tp1_scores.items():
+        mine = together[1]
+        np.testing.assert_allclose(mine["logprobs"], alone[0]["logprobs"], atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(mine["sampled_token_ids"], alone[0]["sampled_token_ids"])
+
+
+def _check_layout(tp: int, ep: int, checkpoints, tp1_scores) -> None:
+    scored = run_gloo(max(tp, ep), _layout_worker, tp, ep, checkpoints, timeout=300)[0]
+    for name, path in checkpoints.items():
+        _check_against_transformers(path, _batches()[0], scored[name][0])
+        for got_batch, want_batch in zip(scored[name], tp1_scores[name], strict=True):
+            for got, want in zip(got_batch, want_batch, strict=True):
+                # the same seed samples the same tokens in every layout
+                np.testing.assert_array_equal(got["sampled_token_ids"], want["sampled_token_ids"])
+                np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1), (2, 2)], ids=["ep2", "tp2", "tp2xep2"])
+def test_layouts_match_transformers_and_tp1(tp, ep, checkpoints, tp1_scores):
+    """Heads split over TP (latent attention by whole heads), experts over EP, both at once:
+    transformers' outputs, and the TP=1 samples token for token."""
+    _check_layout(tp, ep, checkpoints, tp1_scores)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "ep"), [(4, 2), (1, 4)], ids=["tp4xep2", "ep4"])
+def test_wide_layouts_match_transformers(tp, ep, checkpoints, tp1_scores):
+    """Four-way head and expert splits, expert tensor parallelism included."""
+    _check_layout(tp, ep, checkpoints, tp1_scores)
