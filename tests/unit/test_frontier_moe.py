@@ -154,3 +154,78 @@ def test_layouts_match_transformers_and_tp1(tp, ep, checkpoints, tp1_scores):
 def test_wide_layouts_match_transformers(tp, ep, checkpoints, tp1_scores):
     """Four-way head and expert splits, expert tensor parallelism included."""
     _check_layout(tp, ep, checkpoints, tp1_scores)
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline stages and torch_dist checkpoints
+
+
+def _stage_worker(rank, world, tp, ep, pp, roots: dict, out_root: str | None):
+    """Load each checkpoint at tp x ep x pp, score both batches on every rank together (the
+    pipeline's schedule at pp > 1) and, with `out_root`, save a torch_dist checkpoint there."""
+    from consumer import cpu_compat
+    from consumer.agreement import score_agreed
+    from consumer.checkpoints import load_teacher, save_megatron_checkpoint
+    from consumer.faults import FaultInjector
+    from consumer.parallel import init_parallel
+    from consumer.pipeline import PipelineScorer
+    from consumer.scoring import Scorer
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=tp, pp=pp, ep=ep)
+    out = {}
+    for name, root in roots.items():
+        model, spec, _ = load_teacher(root, layout, params_dtype=torch.float32, device="cpu")
+        common = {"model": model, "spec": spec, "layout": layout, "device": torch.device("cpu")}
+        scorer = PipelineScorer(**common, microbatches=0) if pp > 1 else Scorer(**common)
+        faults = FaultInjector(None, rank=rank)
+        out[name] = [score_agreed(scorer, batch_from_jobs(jobs), faults)[0]
+                     for jobs in _batches()]  # fmt: skip
+        if out_root:
+            save_megatron_checkpoint(model, f"{out_root}/{name}", spec=spec)
+    return out if layout.is_leader else None
+
+
+def _same_as_tp1(scored: dict, tp1_scores: dict) -> None:
+    for name, run in scored.items():
+        for got_batch, want_batch in zip(run, tp1_scores[name], strict=True):
+            for got, want in zip(got_batch, want_batch, strict=True):
+                np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4)
+                np.testing.assert_array_equal(got["sampled_token_ids"], want["sampled_token_ids"])
+                np.testing.assert_array_equal(got["topk_token_ids"], want["topk_token_ids"])
+
+
+def test_pipeline_stages_match_tp1(checkpoints, tp1_scores):
+    """Two pipeline stages (dense first layers on stage 0, sparse ones after) score and sample
+    as TP=1 does."""
+    _same_as_tp1(run_gloo(2, _stage_worker, 1, 1, 2, checkpoints, None, timeout=300)[0],
+                 tp1_scores)  # fmt: skip
+
+
+def test_torch_dist_reloads_at_other_layouts(layout, checkpoints, tp1_scores, tmp_path):
+    """A torch_dist checkpoint written at TP=1 loads at TP=2 x EP=2, which writes another; that
+    one loads at two pipeline stages, which write a third; that one loads at TP=1 again. Every
+    step scores and samples as the Hugging Face checkpoint at TP=1."""
+    from consumer.checkpoints import (
+        load_hf_checkpoint,
+        load_megatron_checkpoint,
+        save_megatron_checkpoint,
+    )
+
+    roots = {}
+    for name, path in checkpoints.items():
+        model, spec = load_hf_checkpoint(path, layout)
+        save_megatron_checkpoint(model, tmp_path / "tp1" / name, spec=spec)
+        roots[name] = str(tmp_path / "tp1" / name)
+    wide = str(tmp_path / "tp2xep2")
+    _same_as_tp1(run_gloo(4, _stage_worker, 2, 2, 1, roots, wide, timeout=400)[0], tp1_scores)
+    staged = str(tmp_path / "pp2")
+    wide_roots = {name: f"{wide}/{name}" for name in roots}
+    _same_as_tp1(run_gloo(2, _stage_worker, 1, 1, 2, wide_roots, staged, timeout=300)[0],
+                 tp1_scores)  # fmt: skip
+    back = {}
+    for name in roots:
+        model, spec = load_megatron_checkpoint(f"{staged}/{name}", layout)
+        assert spec == load_hf_checkpoint(checkpoints[name], layout)[1]
+        back[name] = _score(model, spec, layout)
+    _same_as_tp1(back, tp1_scores)
