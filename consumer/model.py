@@ -40,6 +40,7 @@ __all__ = [
     "stage_layers",
 ]
 
+
 class TeacherGPTModel(GPTModel):
     """GPTModel whose forward returns final hidden states [s, b, h] instead of logits."""
 

@@ -36,7 +36,6 @@ from torch.nn import functional as F
 from consumer.moe_gemm import swiglu, swiglu_experts
 from consumer.spec import ModelSpec
 
-
 # The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
 CHECKPOINT_ENTRIES = (
     "router.weight",
@@ -113,7 +112,8 @@ class TeacherMoE(torch.nn.Module):
         router_dtype = torch.float32 if self.float_router else dtype
         self.router = torch.nn.Linear(h, spec.num_experts, bias=False, dtype=router_dtype)
         if self.routing == "sigmoid_grouped":
-            self.router_bias = torch.nn.Parameter(torch.empty(spec.num_experts, dtype=torch.float32))
+            bias = torch.empty(spec.num_experts, dtype=torch.float32)
+            self.router_bias = torch.nn.Parameter(bias)
         self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2, f, h, dtype=dtype))
         self.experts_fc2 = torch.nn.Parameter(torch.empty(self.num_local, h, f, dtype=dtype))
         self.shared = spec.moe_shared_ffn_hidden_size > 0

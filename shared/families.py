@@ -63,6 +63,9 @@ class Family:
     # the config names none (transformers' default), any other in (0, 1] accepted
     partial_rotary_factor: float | None = None
     nextn_layers: bool = False  # published checkpoints carry multi-token-prediction layers
+    # other model_types whose config.json is this family's (trust_remote_code configs whose
+    # fields are transformers' own, e.g. Kimi-K2's kimi_k2 is DeepSeek-V3's)
+    aliases: tuple[str, ...] = ()
     qkv_bias_field: str | None = None  # config field that overrides `qkv_bias`
     qk_norm_field: str | None = None  # config field that overrides `qk_norm`
 
@@ -92,17 +95,20 @@ _TABLE = (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
            max_position_embeddings=4096, routing="sigmoid_grouped", attention="mla",
            expert_naming="qwen", shared_expert="plain", dense_layers="first_k",
-           float_router_weights=True, float_router=True, nextn_layers=True),
+           float_router_weights=True, float_router=True, nextn_layers=True,
+           aliases=("kimi_k2",)),
     # GLM-4.5 / 4.6 / 4.5-Air: q/k/v biases and q/k norms as the config says
     Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
            max_position_embeddings=131072, routing="sigmoid_grouped", expert_naming="qwen",
            shared_expert="plain", dense_layers="first_k", float_router_weights=True,
-           float_router=True, nextn_layers=True, partial_rotary_factor=0.5, qkv_bias_field="attention_bias",
-           qk_norm_field="use_qk_norm"),
+           float_router=True, nextn_layers=True, partial_rotary_factor=0.5,
+           qkv_bias_field="attention_bias", qk_norm_field="use_qk_norm"),
 )  # fmt: skip
 
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType({f.name: f for f in _TABLE})
 """model_type -> Family, for every family a consumer serves."""
+
+_ALIASES = {alias: f for f in _TABLE for alias in f.aliases}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.is_moe)
 """The mixture-of-experts families, in table order."""
@@ -124,16 +130,18 @@ KNOWN_MOE_MODEL_TYPES = frozenset(
         "llama4_text",
         "gpt_oss",
         "glm4_moe_lite",
-        "kimi_k2",
     }
 )
 
 
 def family_of(model_type: object, architectures: object = ()) -> Family | None:
-    """The family a config names: by `model_type`, or (only when that is absent) by one of its
-    `architectures`; None when it names none teacherq serves."""
+    """The family a config names: by `model_type` (or one of a family's aliases), or (only
+    when that is absent) by one of its `architectures`; None when it names none teacherq
+    serves."""
     if isinstance(model_type, str) and model_type in FAMILIES:
         return FAMILIES[model_type]
+    if isinstance(model_type, str) and model_type in _ALIASES:
+        return _ALIASES[model_type]
     if model_type is None and isinstance(architectures, list | tuple):
         by_arch = {f.architecture: f for f in FAMILIES.values()}
         for arch in architectures:

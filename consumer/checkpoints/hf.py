@@ -1,5 +1,7 @@
-"""Hugging Face safetensors checkpoints (Llama, Qwen2/2.5, Qwen3 dense; Qwen3-MoE, Qwen2-MoE and
-Mixtral, whose expert tensors consumer/checkpoints/hf_moe.py maps) into a megatron GPTModel.
+"""Hugging Face safetensors checkpoints of the families in `shared/families.py` (Llama, Qwen2/2.5,
+Qwen3 dense; Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5, whose expert tensors
+consumer/checkpoints/hf_moe.py maps and whose latent attention hf_mla.py maps) into a megatron
+GPTModel.
 
 A checkpoint is a directory with `config.json` and one or more `*.safetensors` files (sharded
 ones listed in `model.safetensors.index.json`). Loading is per rank: each tensor-parallel rank
@@ -16,7 +18,10 @@ Layout conversions, Hugging Face -> megatron-core (local layer spec):
 - o_proj / down_proj are row-parallel: a rank owns a block of their input columns.
 - embedding and lm_head rows are padded to `spec.padded_vocab_size(tp)` with zero rows.
 - RoPE: Hugging Face's rotate-half convention is megatron's non-interleaved RoPE, so q/k rows
-  keep their order.
+  keep their order (GLM-4.5's partial rotary turns the first dims of each head, as megatron's
+  `rotary_percent` does).
+- Published DeepSeek-V3 / GLM-4.5 checkpoints carry multi-token-prediction layers after the
+  model's own (`model.layers.{num_hidden_layers}.*`): skipped, and named in the log.
 """
 
 from __future__ import annotations
@@ -195,23 +200,22 @@ def _llama3_params(config: dict, scaling: dict) -> dict:
 
 
 def spec_from_hf_config(config: dict) -> ModelSpec:
-    """The ModelSpec of a Llama / Qwen2 / Qwen3 config.json, or of a Qwen3-MoE / Qwen2-MoE /
-    Mixtral one (a dict).
+    """The ModelSpec of a config.json (a dict) of a family in `shared.families.FAMILIES`:
+    Llama / Qwen2 / Qwen3, Qwen3-MoE / Qwen2-MoE / Mixtral, DeepSeek-V3 (and Kimi-K2's
+    `kimi_k2`, the same config) and GLM-4.5 (`glm4_moe`).
 
     Raises `CheckpointError` for anything megatron-core cannot reproduce exactly:
     other mixture-of-experts models, other architectures, sliding-window attention, output or MLP
     biases, activations other than SiLU, and unsupported RoPE variants.
     """
     reason = moe_reason(config)
-    try:
-        family = _family(config)
-    except CheckpointError:
-        if not reason:
-            raise
+    family = family_of(config.get("model_type"), config.get("architectures"))
+    if reason and (family is None or not family.is_moe):
         raise CheckpointError(
             f"this mixture-of-experts model is not supported: {reason}; supported families: "
             f"{'/'.join(SUPPORTED_FAMILIES)}"
-        ) from None
+        )
+    family = family or _family(config)
     moe = hf_moe.moe_fields(family, config) if family.is_moe else {}
     required: tuple[str, ...] = ("vocab_size", "hidden_size", "num_hidden_layers")
     required += ("num_attention_heads",) if moe else ("num_attention_heads", "intermediate_size")
@@ -336,11 +340,11 @@ def _gqa_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
     """Grouped-query attention's tensors of one layer (`p` = `model.layers.{i}.self_attn.`)."""
     h, d = spec.hidden_size, spec.kv_channels
     q_rows, kv_rows = spec.num_attention_heads * d, spec.num_kv_heads * d
-    shapes = {p + "q_proj.weight": (q_rows, h), p + "k_proj.weight": (kv_rows, h),
-              p + "v_proj.weight": (kv_rows, h), p + "o_proj.weight": (h, q_rows)}  # fmt: skip
+    rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
+    shapes: dict[str, tuple[int, ...]] = {f"{p}{n}.weight": (r, h) for n, r in rows.items()}
+    shapes[p + "o_proj.weight"] = (h, q_rows)
     if spec.qkv_bias:
-        shapes.update({p + "q_proj.bias": (q_rows,), p + "k_proj.bias": (kv_rows,),
-                       p + "v_proj.bias": (kv_rows,)})  # fmt: skip
+        shapes.update({f"{p}{n}.bias": (r,) for n, r in rows.items()})
     if spec.qk_norm:
         shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
     return shapes

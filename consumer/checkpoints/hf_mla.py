@@ -49,9 +49,10 @@ def mla_fields(config: dict) -> dict:
     }
     if not problems and fields["qk_rope_head_dim"] % 2:
         problems.append(f"qk_rope_head_dim={fields['qk_rope_head_dim']} (must be even)")
-    if not problems and fields["v_head_dim"] > fields["qk_nope_head_dim"] + fields[
-        "qk_rope_head_dim"
-    ]:
+    if (
+        not problems
+        and fields["v_head_dim"] > fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
+    ):
         problems.append(
             f"v_head_dim={fields['v_head_dim']} exceeds the q/k head size "
             f"qk_nope_head_dim + qk_rope_head_dim (values are padded to it)"
@@ -133,7 +134,8 @@ def attention_readers(
         readers[mg + "linear_q_proj.weight"] = head_rows("q_proj.weight", qk)
     readers[mg + "linear_kv_down_proj.weight"] = whole("kv_a_proj_with_mqa.weight")
     readers[mg + "kv_layernorm.weight"] = whole("kv_a_layernorm.weight")
-    readers[mg + "linear_kv_up_proj.weight"] = head_rows("kv_b_proj.weight", spec.qk_nope_head_dim + v)
+    kv_up = head_rows("kv_b_proj.weight", spec.qk_nope_head_dim + v)
+    readers[mg + "linear_kv_up_proj.weight"] = kv_up
     cols = slice(first * v, (first + local) * v)
     readers[mg + "linear_proj.weight"] = lambda ckpt: ckpt.read(hf + "o_proj.weight", cols=cols)
     return readers

@@ -102,6 +102,10 @@ def _grouped_routing(
     checked against the experts: groups divide them, each kept group offers its two best."""
     if family.routing != "sigmoid_grouped":
         return {}
+    # DeepSeek's own config files name the scoring and the top-k method; V2's are refused
+    for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if config.get(name) not in (None, want):
+            problems.append(f"{name}={config[name]!r} (only {want!r}, DeepSeek-V3's routing)")
     groups = config.get("n_group") or 1
     kept = config.get("topk_group") or 1
     scale = config.get("routed_scaling_factor", 1.0)

@@ -93,9 +93,7 @@ def moe_problems(spec: ModelSpec, tp: int, ep: int) -> list[str]:
             if family is not None and family.shared_expert == "plain"
             else f"shared_expert_intermediate_size={shared}"
         )
-        problems.append(
-            f"{field} is not divisible by the replica's max(tp, ep) = {width} ranks"
-        )
+        problems.append(f"{field} is not divisible by the replica's max(tp, ep) = {width} ranks")
     return problems
 
 

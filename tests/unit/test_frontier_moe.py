@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from consumer.batching import batch_from_jobs
-from consumer.checkpoints import CheckpointError
 from shared.messages import Job, TeacherRequest
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
@@ -229,3 +228,122 @@ def test_torch_dist_reloads_at_other_layouts(layout, checkpoints, tp1_scores, tm
         assert spec == load_hf_checkpoint(checkpoints[name], layout)[1]
         back[name] = _score(model, spec, layout)
     _same_as_tp1(back, tp1_scores)
+
+
+# --------------------------------------------------------------------------------------------
+# published configs, refusals, multi-token-prediction layers
+
+DEEPSEEK_V3 = {  # the published config.json's fields (less its fp8 quantization_config)
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096},
+}  # fmt: skip
+KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "vocab_size": 163840,
+           "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+           "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+           "routed_scaling_factor": 2.827, "rope_theta": 50000,
+           "max_position_embeddings": 131072,
+           "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": 32.0}}  # fmt: skip
+GLM45_AIR = {
+    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552,
+    "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+    "rope_theta": 1000000, "use_qk_norm": False, "attention_bias": True,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "num_nextn_predict_layers": 1,
+}  # fmt: skip
+
+
+def test_published_configs_map_to_their_specs():
+    """DeepSeek-V3, Kimi-K2 (model_type kimi_k2: DeepSeek-V3's config) and GLM-4.5-Air
+    config.json files give the specs their cards describe, split over 8 or 16 ranks."""
+    from consumer.checkpoints import validate_hf_config
+
+    v3 = validate_hf_config(DEEPSEEK_V3, tp=8, ep=8)
+    assert (v3.family, v3.num_experts, v3.moe_top_k, v3.moe_groups, v3.moe_topk_groups) == (
+        "deepseek_v3", 256, 8, 8, 4)  # fmt: skip
+    assert v3.moe_dense_layers == (0, 1, 2) and v3.moe_shared_ffn_hidden_size == 2048
+    assert (v3.q_lora_rank, v3.kv_lora_rank, v3.kv_channels, v3.v_head_dim) == (1536, 512, 192,
+                                                                                  128)  # fmt: skip
+    assert v3.rope_scaling["rope_type"] == "yarn" and v3.max_input_tokens == 163840
+    assert v3.rope_interleave and v3.moe_routed_scale == 2.5
+    kimi = validate_hf_config(KIMI_K2, tp=1, ep=16)
+    assert (kimi.family, kimi.num_experts, kimi.num_attention_heads) == ("deepseek_v3", 384, 64)
+    air = validate_hf_config(GLM45_AIR, tp=8, ep=8)
+    assert (air.family, air.rotary_dim, air.qkv_bias, air.qk_norm) == ("glm4_moe", 64, True,
+                                                                       False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "ep", "message"),
+    [
+        (DEEPSEEK_V3, 3, 1, "num_attention_heads=128 is not divisible by tp=3"),
+        ({**DEEPSEEK_V3, "n_group": 3}, 1, 1, "n_routed_experts=256 is not divisible by n_group=3"),
+        ({**DEEPSEEK_V3, "topk_group": 9}, 1, 1, "topk_group=9 exceeds n_group=8"),
+        ({**DEEPSEEK_V3, "scoring_func": "softmax"}, 1, 1, "scoring_func='softmax'"),
+        ({**DEEPSEEK_V3, "qk_rope_head_dim": 63}, 1, 1, "qk_rope_head_dim=63"),
+        ({**DEEPSEEK_V3, "attention_bias": True}, 1, 1, "attention_bias=true"),
+        ({**DEEPSEEK_V3, "rope_scaling": {"type": "llama3", "factor": 8}}, 1, 1,
+         "'llama3' is not supported for deepseek_v3"),
+        ({**DEEPSEEK_V3, "moe_intermediate_size": 2050}, 1, 4,
+         "n_shared_experts x moe_intermediate_size = 2050 is not divisible"),
+        ({**GLM45_AIR, "first_k_dense_replace": 2, "intermediate_size": None}, 1, 1,
+         "layers \\[0, 1\\] are dense \\(first_k_dense_replace\\)"),
+        (GLM45_AIR, 16, 1, "num_key_value_heads=8 is smaller than tp=16"),
+        ({**GLM45_AIR, "rope_scaling": {"type": "yarn", "factor": 4,
+                                        "original_max_position_embeddings": 4096}}, 1, 1,
+         "'yarn' is not supported for glm4_moe"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_field_and_the_layout(config, tp, ep, message):
+    """What cannot be served, or not split this way, is refused naming the field."""
+    from consumer.checkpoints import CheckpointError, validate_hf_config
+
+    with pytest.raises(CheckpointError, match=message):
+        validate_hf_config(config, tp=tp, ep=ep)
+
+
+def test_multi_token_prediction_layers_are_skipped_and_logged(checkpoints, layout, tmp_path):
+    """A checkpoint carrying the next-token-prediction layer after the last one (as published
+    V3 does: `model.layers.61.*`) validates, loads with the skip in the log, and scores as
+    without it."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from structlog.testing import capture_logs
+
+    from consumer.checkpoints import load_hf_checkpoint
+
+    src = Path(checkpoints["deepseek_v3"])
+    tensors = load_file(src / "model.safetensors")
+    last = CASES["deepseek_v3"]["num_layers"]  # the layer after the model's own
+    extra = {
+        k.replace(f"model.layers.{last - 1}.", f"model.layers.{last}."): v.clone()
+        for k, v in tensors.items()
+        if k.startswith(f"model.layers.{last - 1}.")
+    }
+    extra[f"model.layers.{last}.eh_proj.weight"] = torch.zeros(64, 128)
+    (tmp_path / "mtp").mkdir()
+    shutil.copy(src / "config.json", tmp_path / "mtp" / "config.json")
+    save_file({**tensors, **extra}, str(tmp_path / "mtp" / "model.safetensors"))
+    with capture_logs() as logs:
+        model, spec = load_hf_checkpoint(tmp_path / "mtp", layout)
+    skipped = [e for e in logs if e["event"] == "checkpoint.nextn_layers_skipped"]
+    assert skipped and skipped[0]["layers"] == [last]
+    got = _score(model, spec, layout)
+    want = _score(*load_hf_checkpoint(src, layout), layout)
+    np.testing.assert_array_equal(got[0][0]["logprobs"], want[0][0]["logprobs"])
