@@ -296,7 +296,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from consumer.checkpoints.hf import spec_from_hf_config
+    from consumer.checkpoints.hf_config import spec_from_hf_config
     from consumer.moe_gemm import grouped_available, swiglu_experts
 
     spec = spec_from_hf_config(hf_config(shape(args)).to_dict())
@@ -362,7 +362,7 @@ def main() -> None:
 
     from consumer import cpu_compat
     from consumer.checkpoints import load_hf_checkpoint
-    from consumer.checkpoints.hf import spec_from_hf_config
+    from consumer.checkpoints.hf_config import spec_from_hf_config
     from consumer.model import build_model
     from consumer.parallel import init_parallel
 

@@ -22,6 +22,7 @@ WATCHED = (
     "consumer.mla",
     "consumer.attention",
     "consumer.checkpoints.hf",
+    "consumer.checkpoints.hf_config",
     "consumer.checkpoints.hf_files",
     "consumer.checkpoints.hf_moe",
     "consumer.checkpoints.hf_mla",
