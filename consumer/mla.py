@@ -144,6 +144,7 @@ class TeacherMLA(nn.Module):
             self.linear_q_up_proj = linear(spec.q_lora_rank, self.heads * qk)
         else:
             self.linear_q_proj = linear(h, self.heads * qk)
+        self.kv_lora = spec.kv_lora_rank
         self.linear_kv_down_proj = linear(h, spec.kv_lora_rank + self.rope)
         self.kv_layernorm = nn.RMSNorm(spec.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
         self.linear_kv_up_proj = linear(spec.kv_lora_rank, self.heads * (self.nope + self.v))
@@ -171,8 +172,7 @@ class TeacherMLA(nn.Module):
         else:
             q = self.linear_q_proj(x)
         q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], -1)
-        latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_layernorm.weight.shape[0],
-                                                          self.rope], -1)  # fmt: skip
+        latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora, self.rope], -1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(t, heads, self.nope + self.v)
         k_nope, value = kv.split([self.nope, self.v], -1)
         if self.interleaved:

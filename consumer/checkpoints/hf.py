@@ -3,8 +3,9 @@ Qwen3 dense; Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5, whose exper
 consumer/checkpoints/hf_moe.py maps and whose latent attention hf_mla.py maps) into a megatron
 GPTModel.
 
-A checkpoint is a directory with `config.json` and one or more `*.safetensors` files (sharded
-ones listed in `model.safetensors.index.json`). Loading is per rank: each tensor-parallel rank
+A checkpoint is a directory with `config.json` (turned into a `ModelSpec` by `hf_config.py`)
+and one or more `*.safetensors` files (sharded ones listed in `model.safetensors.index.json`,
+read through `hf_files.py`). Loading is per rank: each tensor-parallel rank
 opens the files itself and reads, through safetensors slices, only the rows or columns of its
 own shard, so no rank ever holds the whole model. Only the small replicated tensors (norms)
 are read whole.
