@@ -36,6 +36,10 @@ class Family:
       or "plain" (DeepSeekMoE: `n_shared_experts` x `moe_intermediate_size` wide, ungated).
     - `dense_layers`: how a MoE config names its dense layers: "none" (Mixtral),
       "qwen" (`mlp_only_layers` / `decoder_sparse_step`), "first_k" (`first_k_dense_replace`).
+    - `expert_naming`: how a checkpoint names per-expert tensors: "qwen" (`mlp.experts.{e}.
+      gate_proj / up_proj / down_proj`, also DeepSeek's and GLM's) or "mixtral"
+      (`block_sparse_moe.experts.{e}.w1 / w3 / w2`); fused `mlp.experts.gate_up_proj` is read
+      for every family.
     - `expert_ffn_field`: the config field holding each expert's FFN width.
     - `float_router_weights`: the reference scales expert outputs by float32 routing weights
       (else by weights cast to the activations' dtype first).
