@@ -1,16 +1,27 @@
-"""A mixture-of-experts teacher on one GPU (#23): teacherq's model + head vs transformers' own
-forward + log_softmax, on the same mixed-length documents.
+"""A mixture-of-experts teacher on one GPU (#23, #36): teacherq's model + head vs transformers'
+own forward + log_softmax, on the same mixed-length documents.
 
-The model is a random-init Qwen3-30B-A3B shape in bf16 (from the public config.json of
-Qwen/Qwen3-30B-A3B: hidden 2048, 48 layers, 32 heads of 128, 4 KV heads, 128 experts of FFN 768,
-top-8 renormalised, vocab 151936, untied; about 61 GB of weights). `--layers N` cuts the depth;
-`--tiny` is a few-MB model of the same structure that runs on the CPU (a check of the script:
-there both paths load one checkpoint written by transformers, and their log-probs are compared).
+The model is a random-init shape in bf16, from the public config.json files (`--shape`):
+
+  qwen3-30b-a3b  hidden 2048, 48 layers, 32 heads of 128, 4 KV heads, 128 experts of FFN 768,
+                 top-8 renormalised, vocab 151936, untied; about 61 GB of weights (the default)
+  deepseek-v3    hidden 7168, 128 heads of multi-head latent attention (q LoRA 1536, kv LoRA
+                 512, q/k 128 + 64 rotated dims, v 128, YaRN x40), 256 routed experts of 2048
+                 in 8 groups (top-4 groups), 8 active, 1 shared, 3 dense first layers (18432),
+                 vocab 129280; cut to 5 layers by default (3 dense + 2 sparse: ~55 GB)
+  glm-4.5-air    hidden 4096, 96 heads of 128 (8 KV, partial rotary 0.5, q/k/v biases), 128
+                 experts of 1408, 8 active, 1 shared, 1 dense first layer, vocab 151552; cut to
+                 8 layers by default (~38 GB)
+
+`--layers N` sets the depth; `--tiny` is a few-MB model of the same structure that runs on the
+CPU (a check of the script: there both paths load one checkpoint written by transformers, and
+their log-probs are compared).
 
 Paths, on the same documents (lengths uniform in 256..4096, drawn from `--seed`):
 
   hf        Qwen3MoeForCausalLM (transformers' default experts implementation), documents
-            sorted by length into right-padded batches of at most `--tokens-per-forward` tokens
+            (or DeepseekV3ForCausalLM, Glm4MoeForCausalLM) sorted by length into right-padded
+            batches of at most `--tokens-per-forward` tokens
             with an attention mask: logits, a float32 log_softmax and the next-token gather;
   hf_bare   the same batches through `model.model` to the final hidden states only;
   teacherq  TeacherGPTModel with TeacherMoE layers (consumer/moe.py) and the chunked head via
@@ -28,6 +39,8 @@ same weights and routing.
 
     python bench/gpu_moe.py                      # the full 48-layer model on one H200
     python bench/gpu_moe.py --layers 8 --docs 64
+    python bench/gpu_moe.py --shape deepseek-v3  # 5 layers of DeepSeek-V3 on one H200
+    python bench/gpu_moe.py --shape glm-4.5-air --layers 12
     python bench/gpu_moe.py --gemm-only --tokens-per-forward 16384
     python bench/gpu_moe.py --tiny               # CPU check of the plumbing
 """
@@ -35,6 +48,7 @@ same weights and routing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -53,37 +67,63 @@ PEAK_FLOPS = 790e12
 TOP_K = 64
 SAMPLES = 8
 
-QWEN3_30B_A3B = {
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "num_layers": 48,
-    "num_attention_heads": 32,
-    "num_kv_heads": 4,
-    "head_dim": 128,
-    "intermediate_size": 6144,
-    "num_experts": 128,
-    "top_k": 8,
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": True,
-    "rope_theta": 1000000.0,
-}
-TINY = {
-    **QWEN3_30B_A3B,
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "num_experts": 8,
-    "top_k": 2,
-    "moe_intermediate_size": 32,
-}
+# Shapes from the public config.json files (transformers' field names); weights are random.
+SHAPES: dict[str, dict] = {
+    # Qwen/Qwen3-30B-A3B: 48 layers, 128 experts of 768, top-8 renormalised (~61 GB bf16)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 6144, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "max_position_embeddings": 32768,
+    },
+    # deepseek-ai/DeepSeek-V3: MLA (q 1536, kv 512, 128 + 64 q/k dims, 128 v dims, 128 heads),
+    # 256 routed experts of 2048 in 8 groups (4 kept), 8 active, 1 shared, 3 dense first layers,
+    # YaRN x40; 61 layers (~1.3 TB bf16): cut with --layers (default 5: 3 dense + 2 sparse)
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 3,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_interleave": True,
+        "max_position_embeddings": 163840,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                            "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    # zai-org/GLM-4.5-Air: 46 layers, 96 heads of 128 (8 KV), partial rotary 0.5, q/k/v
+    # biases, 128 experts of 1408, 8 active, 1 shared, 1 dense first layer (~220 GB bf16)
+    "glm-4.5-air": {
+        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+        "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": False,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                            "partial_rotary_factor": 0.5},
+    },
+}  # fmt: skip
+DEFAULT_LAYERS = {"qwen3-30b-a3b": None, "deepseek-v3": 5, "glm-4.5-air": 8}
+# --tiny: the same structure, a few MB (CPU check of the plumbing)
+TINY_SIZES = {
+    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "num_experts": 8,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 24,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "max_position_embeddings": 256,
+}  # fmt: skip
+_TINY_ROPE = {"factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--layers", type=int, default=None, help="cut the depth to N layers")
     p.add_argument("--docs", type=int, default=48, help="documents per pass")
@@ -96,32 +136,29 @@ def parse_args() -> argparse.Namespace:
 
 
 def shape(args: argparse.Namespace) -> dict:
-    cfg = dict(TINY if args.tiny else QWEN3_30B_A3B)
-    if args.layers:
-        cfg["num_layers"] = args.layers
+    """The config.json fields of the chosen shape, cut to --layers (or --tiny)."""
+    cfg = {k: v for k, v in SHAPES[args.shape].items() if k != "rope_parameters"}
+    rope = dict(SHAPES[args.shape]["rope_parameters"])
+    if args.tiny:
+        cfg.update({k: v for k, v in TINY_SIZES.items() if k in cfg or k == "head_dim"})
+        if cfg["model_type"] == "deepseek_v3":
+            cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+            cfg.pop("head_dim")
+        if rope["rope_type"] == "yarn":
+            rope.update(_TINY_ROPE)
+    layers = args.layers or (None if args.tiny else DEFAULT_LAYERS[args.shape])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    cfg["rope_parameters"] = rope
     return cfg
 
 
 def hf_config(cfg: dict):
-    from transformers import Qwen3MoeConfig
+    """The transformers config object of a shape."""
+    from transformers import AutoConfig
 
-    return Qwen3MoeConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_kv_heads"],
-        head_dim=cfg["head_dim"],
-        num_experts=cfg["num_experts"],
-        num_experts_per_tok=cfg["top_k"],
-        moe_intermediate_size=cfg["moe_intermediate_size"],
-        norm_topk_prob=cfg["norm_topk_prob"],
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
-    )
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    return AutoConfig.for_model(cfg["model_type"], tie_word_embeddings=False, **fields)
 
 
 def documents(cfg: dict, args: argparse.Namespace) -> list[np.ndarray]:
@@ -134,14 +171,27 @@ def documents(cfg: dict, args: argparse.Namespace) -> list[np.ndarray]:
     ]
 
 
-def active_flops(cfg: dict, lengths: list[int]) -> float:
-    """FLOPs of one forward with the output layer, counting only the experts a token uses."""
-    h, d = cfg["hidden_size"], cfg["head_dim"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_kv_heads"]
-    attn = h * heads * d * 2 + h * kv * d * 2
-    moe = h * cfg["num_experts"] + cfg["top_k"] * 3 * h * cfg["moe_intermediate_size"]
-    per_token = cfg["num_layers"] * (attn + moe) + cfg["vocab_size"] * h
-    quad = sum(2 * s * s * heads * d for s in lengths) * cfg["num_layers"]
+def active_flops(spec, lengths: list[int]) -> float:
+    """FLOPs of one forward with the output layer, counting only the experts a token uses
+    (routed and shared) and, per document, causal attention's two s^2 products."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    if spec.is_mla:
+        q = (h * spec.q_lora_rank + spec.q_lora_rank * heads * spec.kv_channels
+             if spec.q_lora_rank else h * heads * spec.kv_channels)  # fmt: skip
+        kv = h * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+        kv += spec.kv_lora_rank * heads * (spec.qk_nope_head_dim + spec.v_head_dim)
+        attn = q + kv + heads * spec.v_head_dim * h
+        quad_per_s2 = heads * (spec.kv_channels + spec.v_head_dim)
+    else:
+        d, kvh = spec.kv_channels, spec.num_kv_heads
+        attn = h * heads * d * 2 + h * kvh * d * 2
+        quad_per_s2 = 2 * heads * d
+    sparse = (h * spec.num_experts + spec.moe_top_k * 3 * h * spec.moe_ffn_hidden_size
+              + 3 * h * spec.moe_shared_ffn_hidden_size)  # fmt: skip
+    dense = 3 * h * spec.ffn_hidden_size
+    mlp = sum(sparse if spec.is_sparse_layer(i) else dense for i in range(spec.num_layers))
+    per_token = spec.num_layers * attn + mlp + spec.vocab_size * h
+    quad = sum(s * s for s in lengths) * quad_per_s2 * spec.num_layers
     return 2.0 * per_token * sum(lengths) + quad
 
 
@@ -241,15 +291,25 @@ def run_teacherq(model, spec, layout, docs, args, device) -> tuple[float, list[n
 
 
 def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
-    """Expert FFN of one layer on routed tokens: ours vs transformers' Qwen3MoeExperts."""
+    """Expert FFN of one layer on routed tokens: ours vs transformers' Qwen3MoeExperts (the
+    same expert math as DeepSeek-V3's and GLM-4.5's) at the shape's expert sizes."""
+    from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+    from consumer.checkpoints.hf_config import spec_from_hf_config
     from consumer.moe_gemm import grouped_available, swiglu_experts
 
-    cfg = shape(args)
+    spec = spec_from_hf_config(hf_config(shape(args)).to_dict())
+    cfg = {"hidden_size": spec.hidden_size, "num_experts": spec.num_experts,
+           "top_k": spec.moe_top_k, "moe_intermediate_size": spec.moe_ffn_hidden_size}  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = args.tokens_per_forward if device.type == "cuda" else 256
-    config = hf_config(cfg)
+    config = Qwen3MoeConfig(
+        hidden_size=cfg["hidden_size"],
+        num_experts=cfg["num_experts"],
+        num_experts_per_tok=cfg["top_k"],
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+    )
     # what a whole model picks by default: grouped_mm where it dispatches, eager otherwise
     config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
     experts = Qwen3MoeExperts(config).to(device=device, dtype=dtype)
@@ -302,7 +362,7 @@ def main() -> None:
 
     from consumer import cpu_compat
     from consumer.checkpoints import load_hf_checkpoint
-    from consumer.checkpoints.hf import spec_from_hf_config
+    from consumer.checkpoints.hf_config import spec_from_hf_config
     from consumer.model import build_model
     from consumer.parallel import init_parallel
 
@@ -312,9 +372,11 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     docs = documents(cfg, args)
     lengths = [len(d) for d in docs]
-    flops = active_flops(cfg, lengths)
     config = hf_config(cfg)
-    report: dict = {"device": str(device), "layers": cfg["num_layers"], "tokens": sum(lengths)}
+    spec = spec_from_hf_config(config.to_dict())
+    flops = active_flops(spec, lengths)
+    report: dict = {"device": str(device), "shape": args.shape,
+                    "layers": cfg["num_hidden_layers"], "tokens": sum(lengths)}  # fmt: skip
 
     tmp = None
     if args.tiny:  # one checkpoint for both paths: their log-probs must agree
@@ -325,7 +387,6 @@ def main() -> None:
         hf.save_pretrained(tmp.name)
         model, spec = load_hf_checkpoint(tmp.name, layout, params_dtype=dtype, device=device)
     else:
-        spec = spec_from_hf_config(config.to_dict())
         model = build_model(spec, layout, params_dtype=dtype, device=device, init_weights=False)
         randomize(model, args.seed)
     if device.type == "cuda":
@@ -358,7 +419,9 @@ def main() -> None:
     seconds_bare = run_hf_bare(hf, docs, args, device)
     report["hf_bare"] = {
         "tokens_per_s": sum(lengths) / seconds_bare,
-        "mfu_active": active_flops({**cfg, "vocab_size": 0}, lengths) / seconds_bare / PEAK_FLOPS,
+        "mfu_active": active_flops(dataclasses.replace(spec, vocab_size=0), lengths)
+        / seconds_bare
+        / PEAK_FLOPS,
     }
     report["ratio_teacherq_over_hf"] = seconds_hf / seconds
     if args.tiny:

@@ -9,93 +9,36 @@ so no [tokens, vocab] logits tensor is ever materialised.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional as F
 
 from consumer import kernels
 from consumer.attention import SdpaCoreAttention, TreeBounds
+from consumer.mla import HeadSplit, TeacherMLA, rope_table
+from consumer.moe import CHECKPOINT_ENTRIES, ExpertLayout, TeacherMoE
 from consumer.parallel import ParallelLayout
+from consumer.spec import TINY, TINY_SEED, VOCAB_PAD_MULTIPLE, ModelSpec
 
-VOCAB_PAD_MULTIPLE = 128  # per TP rank, as Megatron's --make-vocab-size-divisible-by
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer (Llama / Qwen2 / Qwen3, and the mixture-of-experts Qwen3-MoE /
-    Qwen2-MoE / Mixtral families) in plain numbers. `num_experts` = 0 is a dense model."""
-
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    tie_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    rope_scaling: dict | None = field(default=None, hash=False)
-    num_experts: int = 0  # routed experts per sparse layer; 0: dense
-    moe_top_k: int = 0  # experts per token
-    moe_ffn_hidden_size: int = 0  # each expert's intermediate size
-    moe_norm_topk: bool = False  # renormalise the top-k weights (Mixtral always does)
-    moe_shared_ffn_hidden_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
-    moe_dense_layers: tuple[int, ...] = ()  # layers of a MoE model that keep a dense MLP
-
-    @property
-    def is_moe(self) -> bool:
-        """Whether the model has mixture-of-experts layers."""
-        return self.num_experts > 0
-
-    def is_sparse_layer(self, index: int) -> bool:
-        """Whether layer `index` (0-based) is a mixture-of-experts layer."""
-        return self.is_moe and index not in self.moe_dense_layers
-
-    @property
-    def max_input_tokens(self) -> int:
-        """Longest input this model scores: max_position_embeddings, or the context its RoPE
-        scaling extends the original one to (factor x original_max_position_embeddings)."""
-        scaling = self.rope_scaling or {}
-        original = scaling.get("original_max_position_embeddings")
-        if original and scaling.get("factor"):
-            extended = int(float(scaling["factor"]) * int(original))
-            return max(self.max_position_embeddings, extended)
-        return self.max_position_embeddings
-
-    @property
-    def kv_channels(self) -> int:
-        """Per-head dimension."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    def padded_vocab_size(self, tp: int) -> int:
-        """Vocabulary padded so every TP rank holds the same multiple of VOCAB_PAD_MULTIPLE."""
-        multiple = VOCAB_PAD_MULTIPLE * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-
-# The built-in preset used when TEACHERQ_MODEL__PATH is unset: tiny, random-init, fixed seed.
-TINY_SEED = 1234
-TINY = ModelSpec(
-    family="tiny",
-    vocab_size=1000,
-    hidden_size=64,
-    num_layers=2,
-    num_attention_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=128,
-    max_position_embeddings=4096,
-)
+__all__ = [
+    "TINY",
+    "TINY_SEED",
+    "VOCAB_PAD_MULTIPLE",
+    "ModelSpec",
+    "TeacherGPTModel",
+    "build_model",
+    "stage_layers",
+]
 
 
 class TeacherGPTModel(GPTModel):
@@ -138,11 +81,18 @@ class TeacherGPTModel(GPTModel):
             if self.config.rotary_interleaved:
                 raise ValueError("interleaved rotary embeddings are not supported")
             n = max(self.max_sequence_length, 1 << max(positions - 1, 0).bit_length())
-            emb = self.rotary_pos_emb(n).to(device)  # [n, 1, 1, rot], cat(angles, angles)
-            angles = emb[:, 0, 0, : emb.shape[-1] // 2].float()
-            self.register_buffer("_rope_cos", angles.cos().contiguous(), persistent=False)
-            self.register_buffer("_rope_sin", angles.sin().contiguous(), persistent=False)
+            if self.rope_table is not None:  # latent attention: YaRN and its mscale
+                cos, sin = self.rope_table(n)
+            else:
+                emb = self.rotary_pos_emb(n)  # [n, 1, 1, rot], cat(angles, angles)
+                angles = emb[:, 0, 0, : emb.shape[-1] // 2].float()
+                cos, sin = angles.cos(), angles.sin()
+            self.register_buffer("_rope_cos", cos.to(device).contiguous(), persistent=False)
+            self.register_buffer("_rope_sin", sin.to(device).contiguous(), persistent=False)
         return self._rope_cos, self._rope_sin
+
+    # cos and sin of n positions from the spec (latent attention); None: megatron's rotary module
+    rope_table: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     stage_first_layer = 0  # global index of this pipeline stage's first layer
     stage_replica_shift = 0  # see _stage_checkpoint_offsets
@@ -155,8 +105,6 @@ class TeacherGPTModel(GPTModel):
         if not (self.stage_first_layer or self.stage_replica_shift):
             return out
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-        from consumer.moe import CHECKPOINT_ENTRIES
 
         head = f"{prefix}decoder.layers."
         for item in nested_values(out):
@@ -306,6 +254,13 @@ def build_model(
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP
+    if spec.is_mla:
+        heads = HeadSplit(
+            tp=layout.tp, rank=layout.tp_rank, group=layout.tp_group if layout.tp > 1 else None
+        )
+        layer_spec.submodules.self_attention = ModuleSpec(
+            module=TeacherMLA, params={"spec": spec, "heads": heads}
+        )
     block_spec = _moe_block_spec(spec, layout, layer_spec, layers) if spec.is_moe else layer_spec
     rope_kwargs = _rope_kwargs(spec)
     with torch.device("cpu"):
@@ -316,12 +271,15 @@ def build_model(
             max_sequence_length=spec.max_position_embeddings,
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
+            rotary_percent=1.0 if spec.is_mla else spec.rotary_percent,
             share_embeddings_and_output_weights=spec.tie_embeddings,
             pre_process=layout.is_first_stage,
             post_process=layout.is_last_stage,
             **rope_kwargs,
         )
     model.requires_grad_(False)
+    if spec.is_mla:
+        model.rope_table = functools.partial(rope_table, spec)
     # Megatron's torch norms keep fp32 weights whatever params_dtype says. Given bf16 inputs
     # and fp32 weights, torch.rms_norm falls back to its unfused form (an fp32 copy and four
     # more kernels per norm: 16 % of a 1.5B forward on an H200); in the inputs' dtype it runs
@@ -387,16 +345,6 @@ def _stage_checkpoint_offsets(
 def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices: range):
     """Per-layer specs of the layers `indices`: the sparse ones get a TeacherMoE in their MLP
     slot."""
-    import copy
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import (
-        LayerNormImpl,
-        TransformerBlockSubmodules,
-    )
-
-    from consumer.moe import ExpertLayout, TeacherMoE
-
     experts = ExpertLayout(
         size=layout.replica_size,
         rank=layout.replica_rank,
@@ -418,7 +366,7 @@ def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices
 
 def _rope_kwargs(spec: ModelSpec) -> dict:
     scaling = spec.rope_scaling
-    if not scaling:
+    if not scaling or spec.is_mla:  # latent attention computes its own tables (consumer/mla.py)
         return {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "llama3":

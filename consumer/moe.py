@@ -1,11 +1,22 @@
-"""The mixture-of-experts FFN of a teacher (Qwen3-MoE, Qwen2-MoE, Mixtral), in the MLP slot of
-megatron-core's transformer layer for the sparse layers.
+"""The mixture-of-experts FFN of a teacher (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3,
+GLM-4.5), in the MLP slot of megatron-core's transformer layer for the sparse layers.
 
-Routing follows the Hugging Face models exactly: a softmax over all experts in float32, the
-top-k, renormalised iff the family says so (Mixtral always, Qwen by `norm_topk_prob`), and the
-weights cast to the activations' dtype. Every routed token is computed (no capacity, no token
-dropping) and there is no auxiliary loss: a teacher scores each token as the reference model
-does. Qwen2-MoE adds a shared expert whose output is scaled by sigmoid(shared_expert_gate(x)).
+Routing follows the Hugging Face models exactly, as the family table (`shared/families.py`)
+names it:
+
+- "softmax" (Qwen-MoE, Mixtral): a softmax over all experts in float32, the top-k,
+  renormalised iff the family says so (Mixtral always, Qwen by `norm_topk_prob`), the weights
+  cast to the activations' dtype (Mixtral keeps them float32);
+- "sigmoid_grouped" (DeepSeekMoE: DeepSeek-V3, GLM-4.5): float32 router on float32 activations,
+  sigmoid scores; the choice adds `e_score_correction_bias` to the scores, keeps the
+  `topk_group` groups (of `n_group`) whose two best biased scores sum highest and takes the
+  top-k of those groups' experts; the weights are the unbiased scores of the chosen experts,
+  renormalised iff `norm_topk_prob`, times `routed_scaling_factor`, kept float32.
+
+Every routed token is computed (no capacity, no token dropping) and there is no auxiliary loss:
+a teacher scores each token as the reference model does. Qwen2-MoE adds a shared expert whose
+output is scaled by sigmoid(shared_expert_gate(x)); DeepSeekMoE adds its shared experts
+ungated.
 
 Expert parallelism needs no token exchange: every rank of a replica holds every token of the
 batch (the leader broadcasts it, attention outputs are all-reduced), so each rank computes its
@@ -17,21 +28,18 @@ expert's FFN is split over the same ranks and joins that all-reduce.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
 from consumer.moe_gemm import swiglu, swiglu_experts
-
-if TYPE_CHECKING:
-    from consumer.model import ModelSpec
-
+from consumer.spec import ModelSpec
 
 # The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
 CHECKPOINT_ENTRIES = (
     "router.weight",
+    "router_bias",
     "experts_fc1",
     "experts_fc2",
     "shared_fc1",
@@ -69,15 +77,18 @@ class ExpertLayout:
 
 def renormalises(spec: ModelSpec) -> bool:
     """Whether the top-k routing weights are renormalised to sum to one."""
-    return spec.family == "mixtral" or spec.moe_norm_topk
+    family = spec.family_record
+    return spec.moe_norm_topk or (family is not None and family.always_renormalise)
 
 
 class TeacherMoE(torch.nn.Module):
     """Router, this rank's experts (their FFN slice) and its slice of the shared expert.
 
-    Parameters: `router.weight` [E, h] (whole on every rank), `experts_fc1` [E_local, 2, f_l, h]
+    Parameters: `router.weight` [E, h] (whole on every rank; float32 for DeepSeekMoE, with its
+    `router_bias` [E], the e_score_correction_bias), `experts_fc1` [E_local, 2, f_l, h]
     (gate and up of each local expert's slice), `experts_fc2` [E_local, h, f_l], and for a shared
-    expert `shared_fc1` [2, s_l, h], `shared_fc2` [h, s_l], `shared_gate` [1, h]. Each is a block
+    expert `shared_fc1` [2, s_l, h], `shared_fc2` [h, s_l], and when gated `shared_gate` [1, h]
+    (Qwen2-MoE). Each is a block
     of one global tensor ([E, 2, f, h], ...), which is how `sharded_state_dict` describes them to
     megatron's dist checkpointing: a torch_dist checkpoint reloads at any tp x ep.
     """
@@ -86,21 +97,32 @@ class TeacherMoE(torch.nn.Module):
         super().__init__()
         self.config = config
         self.layout = experts
+        family = spec.family_record
         self.top_k = spec.moe_top_k
         self.renormalise = renormalises(spec)
-        self.float_weights = spec.family == "mixtral"
+        self.routing = family.routing if family is not None else "softmax"
+        self.float_weights = family is not None and family.float_router_weights
+        self.float_router = family is not None and family.float_router
+        self.groups, self.topk_groups = spec.moe_groups, spec.moe_topk_groups
+        self.routed_scale = spec.moe_routed_scale
         h, dtype = spec.hidden_size, config.params_dtype
         self.num_local = spec.num_experts // experts.ep
         self.first_expert = experts.ep_rank * self.num_local
         f = spec.moe_ffn_hidden_size // experts.etp
-        self.router = torch.nn.Linear(h, spec.num_experts, bias=False, dtype=dtype)
+        router_dtype = torch.float32 if self.float_router else dtype
+        self.router = torch.nn.Linear(h, spec.num_experts, bias=False, dtype=router_dtype)
+        if self.routing == "sigmoid_grouped":
+            bias = torch.empty(spec.num_experts, dtype=torch.float32)
+            self.router_bias = torch.nn.Parameter(bias)
         self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2, f, h, dtype=dtype))
         self.experts_fc2 = torch.nn.Parameter(torch.empty(self.num_local, h, f, dtype=dtype))
         self.shared = spec.moe_shared_ffn_hidden_size > 0
+        self.shared_gated = self.shared and (family is None or family.shared_expert == "gated")
         if self.shared:
             s = spec.moe_shared_ffn_hidden_size // experts.size
             self.shared_fc1 = torch.nn.Parameter(torch.empty(2, s, h, dtype=dtype))
             self.shared_fc2 = torch.nn.Parameter(torch.empty(h, s, dtype=dtype))
+        if self.shared_gated:
             self.shared_gate = torch.nn.Parameter(torch.empty(1, h, dtype=dtype))
         std = float(getattr(config, "init_method_std", 0.02))
         with torch.no_grad():
@@ -112,13 +134,30 @@ class TeacherMoE(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of tokens x [T, h]. The weights are in x's dtype
-        (Qwen), or float32 (Mixtral): each family's reference keeps its own."""
+        (Qwen), or float32 (Mixtral, DeepSeekMoE): each family's reference keeps its own."""
+        if self.routing == "sigmoid_grouped":
+            return self._route_grouped(x)
         logits = F.linear(x, self.router.weight)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float_weights else weights.to(x.dtype)), ids
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+        choice = scores + self.router_bias
+        if self.topk_groups < self.groups:  # keep the groups whose two best scores sum highest
+            by_group = choice.view(x.shape[0], self.groups, -1)
+            best = by_group.topk(2, dim=-1).values.sum(dim=-1)
+            kept = best.topk(self.topk_groups, dim=-1, sorted=False).indices
+            mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+            choice = by_group.masked_fill(~mask[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scale, ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -157,7 +196,9 @@ class TeacherMoE(torch.nn.Module):
         if self.shared:
             up = F.linear(x, self.shared_fc1.flatten(0, 1))
             shared = F.linear(swiglu(up), self.shared_fc2)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            if self.shared_gated:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + shared
         if self.layout.group is not None:
             dist.all_reduce(out, group=self.layout.group)
         return out.reshape(shape), None
@@ -184,10 +225,13 @@ class TeacherMoE(torch.nn.Module):
             )
 
         add("router.weight", self.router.weight, copy=True)
+        if self.routing == "sigmoid_grouped":
+            add("router_bias", self.router_bias, copy=True)
         add("experts_fc1", self.experts_fc1, by_expert, (2, lay.etp_rank, lay.etp))
         add("experts_fc2", self.experts_fc2, by_expert, (2, lay.etp_rank, lay.etp))
         if self.shared:
             add("shared_fc1", self.shared_fc1, (1, lay.rank, lay.size))
             add("shared_fc2", self.shared_fc2, (1, lay.rank, lay.size))
+        if self.shared_gated:
             add("shared_gate", self.shared_gate, copy=True)
         return out

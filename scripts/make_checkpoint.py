@@ -16,13 +16,14 @@ from pathlib import Path
 # run as a script from a checkout: make the repository's packages importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from consumer.checkpoints.synthetic import FAMILIES, MOE_FAMILIES, write_random_hf_checkpoint
+from consumer.checkpoints.synthetic import write_random_hf_checkpoint
+from shared.families import FAMILIES, MOE_FAMILIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", choices=FAMILIES, required=True)
+    p.add_argument("--family", choices=tuple(FAMILIES), required=True)
     p.add_argument("--out", type=Path, required=True, help="directory to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")

@@ -14,17 +14,8 @@ import json
 from pathlib import Path
 
 from shared.errors import InvalidCheckpoint
+from shared.families import FAMILIES, family_of
 
-# The Hugging Face families consumer.checkpoints.hf serves, dense and mixture-of-experts (a
-# unit test keeps the two lists equal; this one must not import torch).
-HF_FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
 _TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -65,13 +56,10 @@ def _probe_hf(p: Path) -> None:
         raise InvalidCheckpoint(f"{config_file}: expected a JSON object")
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
-    known = model_type in HF_FAMILIES or (
-        model_type is None and any(a in HF_FAMILIES.values() for a in archs)
-    )
-    if not known:
+    if family_of(model_type, archs) is None:
         raise InvalidCheckpoint(
             f"{config_file}: model_type={model_type!r} (architectures={archs!r}) is not a "
-            f"family the consumers serve: {', '.join(HF_FAMILIES)}"
+            f"family the consumers serve: {', '.join(FAMILIES)}"
         )
     if not any(p.glob("*.safetensors")):
         raise InvalidCheckpoint(f"{p}: config.json but no *.safetensors weights")

@@ -13,13 +13,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "HfCheckpoint": "hf",
+    "HfCheckpoint": "hf_files",
     "hf_tensor_shapes": "hf",
     "load_hf_checkpoint": "hf",
     "load_hf_weights": "hf",
-    "spec_from_hf_config": "hf",
+    "spec_from_hf_config": "hf_config",
     "validate_hf_checkpoint": "hf",
-    "validate_hf_config": "hf",
+    "validate_hf_config": "hf_config",
     "load_megatron_checkpoint": "megatron_dist",
     "load_megatron_weights": "megatron_dist",
     "read_megatron_spec": "megatron_dist",

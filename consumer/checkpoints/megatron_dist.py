@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from consumer.checkpoints.hf import megatron_llama3_constants
+from consumer.checkpoints.hf_config import megatron_llama3_constants
 from consumer.checkpoints.validate import CheckpointError, check_parallel, raise_problems
 from consumer.model import ModelSpec, TeacherGPTModel, build_model
 from consumer.parallel import ParallelLayout

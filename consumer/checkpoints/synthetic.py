@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+from shared.families import FAMILIES, MOE_FAMILIES
+
 # Router weights are drawn this many times larger than other matrices: router logits of a few
 # units apart make the choice of experts decisive, so rounding cannot flip it between layouts.
 ROUTER_SCALE = 4.0
@@ -41,29 +41,33 @@ def hf_config(
     norm_topk_prob: bool = False,
     mlp_only_layers: tuple[int, ...] = (),
     decoder_sparse_step: int = 1,
+    n_shared_experts: int = 1,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    first_k_dense_replace: int = 1,
+    q_lora_rank: int | None = 24,
+    kv_lora_rank: int = 16,
+    qk_nope_head_dim: int = 8,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 12,
+    rope_interleave: bool = True,
+    partial_rotary_factor: float | None = None,
+    use_qk_norm: bool = False,
+    attention_bias: bool = False,
 ):
-    """A transformers config object for a small model of `family` (see FAMILIES); the
-    mixture-of-experts arguments apply to qwen3_moe, qwen2_moe (shared expert) and mixtral
-    (whose experts are `intermediate_size` wide, always renormalised, never dense)."""
-    from transformers import (
-        LlamaConfig,
-        MixtralConfig,
-        Qwen2Config,
-        Qwen2MoeConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
+    """A transformers config object for a small model of `family` (a name of
+    `shared.families.FAMILIES`); the mixture-of-experts arguments apply to qwen3_moe, qwen2_moe
+    (shared expert), mixtral (whose experts are `intermediate_size` wide, always renormalised,
+    never dense), deepseek_v3 and glm4_moe (`n_shared_experts`, `n_group`, `topk_group`,
+    `routed_scaling_factor`, `first_k_dense_replace`); the latent-attention ones (q_lora_rank
+    ... rope_interleave) to deepseek_v3; `partial_rotary_factor`, `use_qk_norm` and
+    `attention_bias` to glm4_moe."""
+    import transformers
 
-    classes = {
-        "llama": LlamaConfig,
-        "qwen2": Qwen2Config,
-        "qwen3": Qwen3Config,
-        "qwen3_moe": Qwen3MoeConfig,
-        "qwen2_moe": Qwen2MoeConfig,
-        "mixtral": MixtralConfig,
-    }
-    if family not in classes:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
+    config_class = getattr(transformers, FAMILIES[family].config_class)
     rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
     if rope_scaling:
         rope.update(rope_scaling)
@@ -76,6 +80,31 @@ def hf_config(
         max_position_embeddings = max(4096, 4 * int(original))
     if family == "mixtral":
         kwargs.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+    elif FAMILIES[family].routing == "sigmoid_grouped":
+        kwargs.update(
+            n_routed_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            n_shared_experts=n_shared_experts,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            first_k_dense_replace=first_k_dense_replace,
+        )
+        if family == "deepseek_v3":
+            kwargs.update(
+                q_lora_rank=q_lora_rank,
+                kv_lora_rank=kv_lora_rank,
+                qk_nope_head_dim=qk_nope_head_dim,
+                qk_rope_head_dim=qk_rope_head_dim,
+                v_head_dim=v_head_dim,
+                rope_interleave=rope_interleave,
+            )
+        else:
+            kwargs.update(use_qk_norm=use_qk_norm, attention_bias=attention_bias)
+            if partial_rotary_factor is not None:
+                rope["partial_rotary_factor"] = partial_rotary_factor
     elif family in MOE_FAMILIES:
         kwargs.update(
             num_experts=num_experts,
@@ -87,7 +116,7 @@ def hf_config(
         )
         if family == "qwen2_moe":
             kwargs["shared_expert_intermediate_size"] = shared_expert_intermediate_size
-    return classes[family](
+    return config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -115,6 +144,10 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(ROUTER_SCALE * noise / math.sqrt(param.shape[-1]))
             else:  # [out, in] or experts' [E, out, in]
                 param.copy_(noise / math.sqrt(param.shape[-1]))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeekMoE: moves the choice only
+                noise = torch.randn(buffer.shape, generator=gen, dtype=torch.float32)
+                buffer.copy_(0.5 * noise)
 
 
 def write_random_hf_checkpoint(

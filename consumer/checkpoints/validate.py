@@ -8,12 +8,9 @@ refusal reaches the operator as one `CheckpointError` that names each problem it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
+from consumer.spec import ModelSpec
 from shared.errors import InvalidCheckpoint
-
-if TYPE_CHECKING:  # consumer.model imports megatron-core; the error type should not need it
-    from consumer.model import ModelSpec
 
 # Long inventories are cut here: the first few problems tell the operator what is wrong, and
 # a full list of a 1000-tensor mismatch helps nobody.
@@ -34,8 +31,15 @@ def parallel_problems(spec: ModelSpec, tp: int, ep: int = 1) -> list[str]:
     problems = moe_problems(spec, tp, ep)
     heads, kv = spec.num_attention_heads, spec.num_kv_heads
     if heads % tp:
-        problems.append(f"num_attention_heads={heads} is not divisible by tp={tp}")
-    if kv < tp:
+        what = "latent attention splits whole heads" if spec.is_mla else "whole heads per rank"
+        problems.append(f"num_attention_heads={heads} is not divisible by tp={tp} ({what})")
+    if spec.rotary_dim % 2 or spec.rotary_dim < 2:
+        problems.append(
+            f"rotary dims {spec.rotary_dim} (head_dim x partial_rotary_factor) must be even"
+        )
+    if spec.is_mla:
+        pass  # latent attention: each head's keys come from the latent, no KV heads to split
+    elif kv < tp:
         # megatron-core would replicate each KV head over tp/kv ranks, gathering the whole fused
         # QKV output on every rank; that path allocates on CUDA unconditionally (so it cannot
         # run, or be tested, on the CPU) and costs a gather per layer: refuse it.
@@ -83,10 +87,13 @@ def moe_problems(spec: ModelSpec, tp: int, ep: int) -> list[str]:
         )
     shared = spec.moe_shared_ffn_hidden_size
     if shared % width:
-        problems.append(
-            f"shared_expert_intermediate_size={shared} is not divisible by the replica's "
-            f"max(tp, ep) = {width} ranks"
+        family = spec.family_record
+        field = (
+            f"n_shared_experts x moe_intermediate_size = {shared}"
+            if family is not None and family.shared_expert == "plain"
+            else f"shared_expert_intermediate_size={shared}"
         )
+        problems.append(f"{field} is not divisible by the replica's max(tp, ep) = {width} ranks")
     return problems
 
 

@@ -153,7 +153,7 @@ def test_hub_moe_configs_give_moe_specs():
     [
         {**_llama31_config(), "num_local_experts": 8},  # by field, under a dense model_type
         {
-            "model_type": "deepseek_v3",
+            "model_type": "deepseek_v2",
             "n_routed_experts": 256,
             "hidden_size": 7168,
             "moe_intermediate_size": 2048,  # no dense intermediate_size at all

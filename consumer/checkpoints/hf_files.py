@@ -1,0 +1,104 @@
+"""A Hugging Face safetensors directory read lazily: its config.json, every tensor's shape from
+the file headers, and sliced reads of single tensors (a rank reads only its shard).
+
+A leaf of the checkpoint package: the family-specific readers (`hf.py`, `hf_moe.py`,
+`hf_mla.py`) all read through it, and it knows no family.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from consumer.checkpoints.validate import CheckpointError
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class HfCheckpoint:
+    """A Hugging Face safetensors directory: its config, tensor shapes, and sliced reads.
+
+    Nothing but headers is read until `read` asks for (part of) a tensor.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"Hugging Face checkpoint directory not found: {self.path}")
+        config_path = self.path / CONFIG_NAME
+        if not config_path.is_file():
+            raise CheckpointError(f"no {CONFIG_NAME} in {self.path}")
+        self.config: dict = json.loads(config_path.read_text())
+        self._handles: dict[Path, object] = {}
+        self._file_of = self._locate_tensors()
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def _locate_tensors(self) -> dict[str, Path]:
+        index_path = self.path / INDEX_NAME
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
+            files = {name: self.path / file for name, file in weight_map.items()}
+            gone = sorted({p.name for p in files.values() if not p.is_file()})
+            if gone:
+                raise CheckpointError(f"{INDEX_NAME} in {self.path} lists absent files: {gone}")
+            return files
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"no *.safetensors files in {self.path}")
+        found: dict[str, Path] = {}
+        for shard in shards:
+            for name in self._open(shard).keys():  # noqa: SIM118 - safe_open is not a dict
+                if name in found:
+                    raise CheckpointError(
+                        f"tensor {name} is stored twice: in {found[name].name} and {shard.name}"
+                    )
+                found[name] = shard
+        return found
+
+    def _open(self, file: Path):
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor stored (from the file headers only)."""
+        if self._shapes is None:
+            shapes = {}
+            for name, file in self._file_of.items():
+                handle = self._open(file)
+                if name not in set(handle.keys()):
+                    raise CheckpointError(
+                        f"{INDEX_NAME} maps {name} to {file.name}, which lacks it"
+                    )
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+            self._shapes = shapes
+        return self._shapes
+
+    def read_slices(self, name: str, *slices: slice) -> torch.Tensor:
+        """Tensor `name` sliced along its leading dimensions (e.g. experts, rows, columns)."""
+        return self._open(self._file_of[name]).get_slice(name)[slices]
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it."""
+        view = self._open(self._file_of[name]).get_slice(name)
+        if cols is not None:
+            return view[rows or slice(None), cols]
+        if rows is not None:
+            return view[rows]
+        return view[:]
+
+    def close(self) -> None:
+        """Drop the open file handles (the memory maps go with them)."""
+        self._handles.clear()
+
+    def __enter__(self) -> HfCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
