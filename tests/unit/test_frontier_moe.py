@@ -16,6 +16,7 @@ from consumer.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
+from tests.timing import scaled
 
 ATOL = 2e-3
 VOCAB = 300
@@ -131,7 +132,7 @@ def test_outputs_do_not_depend_on_batch_mates(tp1_scores):
 
 
 def _check_layout(tp: int, ep: int, checkpoints, tp1_scores) -> None:
-    scored = run_gloo(max(tp, ep), _layout_worker, tp, ep, checkpoints, timeout=300)[0]
+    scored = run_gloo(max(tp, ep), _layout_worker, tp, ep, checkpoints, timeout=scaled(300))[0]
     for name, path in checkpoints.items():
         _check_against_transformers(path, _batches()[0], scored[name][0])
         for got_batch, want_batch in zip(scored[name], tp1_scores[name], strict=True):
@@ -197,7 +198,7 @@ def _same_as_tp1(scored: dict, tp1_scores: dict) -> None:
 def test_pipeline_stages_match_tp1(checkpoints, tp1_scores):
     """Two pipeline stages (dense first layers on stage 0, sparse ones after) score and sample
     as TP=1 does."""
-    _same_as_tp1(run_gloo(2, _stage_worker, 1, 1, 2, checkpoints, None, timeout=300)[0],
+    _same_as_tp1(run_gloo(2, _stage_worker, 1, 1, 2, checkpoints, None, timeout=scaled(300))[0],
                  tp1_scores)  # fmt: skip
 
 
@@ -217,10 +218,12 @@ def test_torch_dist_reloads_at_other_layouts(layout, checkpoints, tp1_scores, tm
         save_megatron_checkpoint(model, tmp_path / "tp1" / name, spec=spec)
         roots[name] = str(tmp_path / "tp1" / name)
     wide = str(tmp_path / "tp2xep2")
-    _same_as_tp1(run_gloo(4, _stage_worker, 2, 2, 1, roots, wide, timeout=400)[0], tp1_scores)
+    _same_as_tp1(
+        run_gloo(4, _stage_worker, 2, 2, 1, roots, wide, timeout=scaled(400))[0], tp1_scores
+    )
     staged = str(tmp_path / "pp2")
     wide_roots = {name: f"{wide}/{name}" for name in roots}
-    _same_as_tp1(run_gloo(2, _stage_worker, 1, 1, 2, wide_roots, staged, timeout=300)[0],
+    _same_as_tp1(run_gloo(2, _stage_worker, 1, 1, 2, wide_roots, staged, timeout=scaled(300))[0],
                  tp1_scores)  # fmt: skip
     back = {}
     for name in roots:
