@@ -157,3 +157,24 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     assert other.model_version.startswith("cold-wide@")
     np.testing.assert_allclose(other.logprobs, hf_token_logprobs(wider, np.array(ids)), atol=1e-4)
     assert proc.poll() is None
+
+
+def test_tp2_replica_updates_in_place_on_both_ranks(settings, start_consumer, teachers) -> None:
+    """At TP = 2 both ranks load a same-shape update in place (the follower through the same
+    reload): the sharded results equal transformers' log-probs of the new teacher."""
+    a, b, _ = teachers
+    s = fast(settings).model_copy(
+        update={
+            "model": settings.model.model_copy(update={"path": str(a)}),
+            "parallel": settings.parallel.model_copy(update={"tp": 2}),
+        }
+    )
+    proc = start_consumer(s, nproc=2)
+    client = TeacherClient(s)
+    ids = [5, 8, 13, 21, 34, 55, 89]
+    _logprobs(client, ids, "tp2-before")
+    client.update_weights(str(b), timeout=120)
+    [line] = _updated(proc, 1)
+    assert line["in_place"] is True, line
+    after = _logprobs(client, ids, "tp2-after")
+    np.testing.assert_allclose(after.logprobs, hf_token_logprobs(b, np.array(ids)), atol=1e-4)
