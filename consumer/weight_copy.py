@@ -32,13 +32,12 @@ class ParamWriter:
         event = self._events[i]
         if event is not None:  # the copy out of this buffer is still running
             event.synchronize()
-        host = host.contiguous()
         nbytes = host.numel() * host.element_size()
         buffer = self._buffers[i]
         if buffer is None or buffer.numel() < nbytes:
             buffer = self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         staged = buffer[:nbytes].view(host.dtype).view(host.shape)
-        staged.copy_(host)
+        staged.copy_(host)  # a view of the file's map: this is where its pages are read
         param.copy_(staged, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
