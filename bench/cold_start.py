@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     a = checkpoint(work, args.model, "a", seed=1)
     b = checkpoint(work, args.model, "b", seed=2)
-    ffn = MODELS[args.model]["intermediate_size"] + 128
-    other = checkpoint(work, args.model, "wide", seed=3, intermediate_size=ffn)
+    # another shape (half the layers: quicker to write than a third full model)
+    layers = max(1, MODELS[args.model]["num_layers"] // 2)
+    other = checkpoint(work, args.model, "half", seed=3, num_layers=layers)
     run = work / f"run-{int(time.time())}"
     home = run / "valkey"
     url, _ = ensure_embedded(home)
