@@ -178,13 +178,13 @@ class Control:
         started = time.monotonic()
         self.heartbeat.state = "updating"
         self.finish_inflight()
+        drained = time.monotonic()  # the last batch on the old weights is done
         self.writer.flush()  # results computed with the old weights are stored as such
         was_asleep = self.asleep
         self.wake()
         layout = self.loaded.scorer.layout
         broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
         broadcast_text(path, src=layout.leader_rank, group=self._group)
-        drained = time.monotonic()  # the last batch on the old weights is done
         loaded, self._load_error = load_agreed(
             self.reload,
             path,
@@ -196,8 +196,8 @@ class Control:
             self.loaded.scorer, self.loaded.version = loaded
             self.loaded.generation = generation  # before the beat below reports it
             # The drain-to-serving gap: from the last batch on the old weights until the next
-            # batch can run on the new ones (in place: parameters overwritten, graphs kept;
-            # else a new model built and warmed up).
+            # batch can run on the new ones (storing the old results, then in place:
+            # parameters overwritten, graphs kept; else a new model built and warmed up).
             self.last_swap = {
                 "in_place": bool(getattr(self.reload, "last_in_place", False)),
                 "gap_s": round(time.monotonic() - drained, 3),
