@@ -6,6 +6,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 
 def main() -> int:
@@ -14,8 +15,9 @@ def main() -> int:
     Configuration errors (bad settings, an unsafe Redis) print one or two lines to stderr and
     exit with 78 (EX_CONFIG), before any model is loaded: restarting cannot fix them, so
     supervisors should not restart on 78 (docs/operations.md)."""
+    started = time.monotonic()  # the start of the "import" phase of time-to-ready
     from shared.exitcodes import CONFIG
-    from shared.log import configure_logging
+    from shared.log import configure_logging, route_library_logs
     from shared.settings import SettingsError, load_settings
 
     try:
@@ -25,6 +27,13 @@ def main() -> int:
         return CONFIG
     rank = int(os.environ.get("RANK", 0))
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=rank)
+    route_library_logs(level=settings.log.level)  # megatron's notices: debug lines
+    from consumer import compile_cache
+
+    # Before torch is imported: Triton and inductor read these when they first compile.
+    caches = compile_cache.apply(
+        settings.consumer.compile_cache_dir, settings.redis.home, os.environ
+    )
     # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from consumer.preflight import UnsafeRedis, preflight
@@ -38,7 +47,7 @@ def main() -> int:
                 raise UnsafeRedis(verdict)
         from consumer.service import run
 
-        return run(settings)
+        return run(settings, started=started, compile_caches=caches)
     except UnsafeRedis as exc:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")

@@ -66,6 +66,7 @@ class Control:
         self._idle_since = time.monotonic()
         self.updated_to: int | None = None  # generation this replica loaded by an update
         self._load_error: str | None = None
+        self.last_swap: dict[str, object] = {}  # how the last swap went, for weights.updated
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -156,6 +157,7 @@ class Control:
             model_version=self.loaded.version,
             generation=generation,
             completed_update=done,
+            **self.last_swap,
         )
 
     def revert(self) -> None:
@@ -179,8 +181,10 @@ class Control:
         the replica now serves it as `generation`, False (reason in `_load_error`) if it kept
         its weights."""
         assert self.reload is not None
+        started = time.monotonic()
         self.heartbeat.state = "updating"
         self.finish_inflight()
+        drained = time.monotonic()  # the last batch on the old weights is done
         self.writer.flush()  # results computed with the old weights are stored as such
         was_asleep = self.asleep
         self.wake()
@@ -188,11 +192,23 @@ class Control:
         broadcast_header(RELOAD, src=layout.leader_rank, group=self._group)
         broadcast_text(path, src=layout.leader_rank, group=self._group)
         loaded, self._load_error = load_agreed(
-            self.reload, path, group=self._group, device=self.loaded.scorer.device
+            self.reload,
+            path,
+            group=self._group,
+            device=self.loaded.scorer.device,
+            undo=getattr(self.reload, "undo", None),
         )
         if loaded is not None:
             self.loaded.scorer, self.loaded.version = loaded
             self.loaded.generation = generation  # before the beat below reports it
+            # The drain-to-serving gap: from the last batch on the old weights until the next
+            # batch can run on the new ones (storing the old results, then in place:
+            # parameters overwritten, graphs kept; else a new model built and warmed up).
+            self.last_swap = {
+                "in_place": bool(getattr(self.reload, "last_in_place", False)),
+                "gap_s": round(time.monotonic() - drained, 3),
+                "drain_s": round(drained - started, 3),
+            }
         if was_asleep:
             self.sleep()
         self.heartbeat.state = "sleeping" if self.asleep else "ready"

@@ -49,7 +49,13 @@ def follow(
             if reload is not None:
                 # Every rank loads and all agree (as the leader does in consumer/control.py): a
                 # failure anywhere leaves every rank on its current weights.
-                loaded, _ = load_agreed(reload, path, group=group, device=scorer.device)
+                loaded, _ = load_agreed(
+                    reload,
+                    path,
+                    group=group,
+                    device=scorer.device,
+                    undo=getattr(reload, "undo", None),
+                )
                 if loaded is not None:
                     scorer = loaded[0]
         elif word == SLEEP:

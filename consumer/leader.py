@@ -76,8 +76,10 @@ class Leader:
         reload: Callable[[str], tuple[Scorer, str]] | None = None,
         generation: int = 0,
         control_cursor: str = "0-0",
+        ready_phases: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.s = settings
+        self._ready_phases = ready_phases  # seconds per start-up phase, for consumer.ready
         self.c = c = settings.consumer
         self.r = client
         self.stop = stop
@@ -208,7 +210,10 @@ class Leader:
         self._publish_model()
         self.heartbeat.start()
         self.heartbeat.state = "ready"
-        log.info("consumer.ready", consumer=self.name, model_version=self.loaded.version)
+        phases = self._ready_phases() if self._ready_phases is not None else {}
+        log.info(
+            "consumer.ready", consumer=self.name, model_version=self.loaded.version, phases_s=phases
+        )
         if self.c.metrics_port:
             # One port per data-parallel replica of a launch, so leaders never clash.
             if self.loaded.scorer.layout.dp_rank == 0:  # the queue's figures once per launch

@@ -288,6 +288,10 @@ def build_model(
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(dtype=params_dtype)
     if not init_weights:  # defined contents (zeros) for anything a loader leaves, e.g. padding
+        if torch.device(device).type != "cpu" and next(model.buffers(), None) is None:
+            # The host build's memory was never written: allocate on the device instead of
+            # copying it there (seconds for a large teacher), and zero it there.
+            model.to_empty(device=device)
         for p in model.parameters():
             p.zero_()
     if layout.pp > 1:

@@ -125,12 +125,12 @@ class TeacherMoE(torch.nn.Module):
         if self.shared_gated:
             self.shared_gate = torch.nn.Parameter(torch.empty(1, h, dtype=dtype))
         std = float(getattr(config, "init_method_std", 0.02))
-        with torch.no_grad():
-            for p in self.parameters():
-                if config.perform_initialization:
+        if config.perform_initialization:
+            with torch.no_grad():
+                for p in self.parameters():
                     p.normal_(0.0, std)
-                else:
-                    p.zero_()
+        # Else left as allocated: build_model zeroes every parameter of a model it builds for
+        # a checkpoint, on the device (zeroing here wrote every expert page on the host first).
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of tokens x [T, h]. The weights are in x's dtype

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, cast
 
 import redis
@@ -12,20 +13,20 @@ import torch
 
 from consumer import cpu_compat
 from consumer.attention import varlen_supported
-from consumer.batching import batch_from_jobs, broadcast_text
+from consumer.batching import broadcast_text
 from consumer.faults import FaultInjector
 from consumer.follower import follow
 from consumer.graphs import GraphedForward
 from consumer.leader import Leader
+from consumer.load_phases import phase, recording
 from consumer.model import TINY, build_model
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.preflight import UnsafeRedis, preflight
-from consumer.reload import load_agreed
+from consumer.reload import Reloader, load_agreed
 from consumer.scoring import Scorer
 from consumer.stop import StopFlag
 from shared import weights
 from shared.errors import InvalidCheckpoint
-from shared.messages import Job, TeacherRequest
 from shared.settings import Settings
 
 log = structlog.get_logger("teacherq.consumer")
@@ -60,9 +61,10 @@ def build_scorer(
 
         spec = TINY
         check_parallel(spec, layout.tp, ep=layout.ep)
-        model = build_model(
-            spec, layout, params_dtype=dtype, device=device, seed=settings.model.seed
-        )
+        with phase("build"):
+            model = build_model(
+                spec, layout, params_dtype=dtype, device=device, seed=settings.model.seed
+            )
         version = f"tiny-random-seed{settings.model.seed}"
     else:
         from consumer.checkpoints import load_teacher
@@ -106,12 +108,22 @@ def last_control_id(client, queue: str) -> str:
     return last[0][0].decode() if last else "0-0"
 
 
-def warmup(scorer: Scorer) -> None:
-    """One small forward on every rank so the first real batch pays no allocation cost."""
-    req = TeacherRequest(input_ids=[0, 1, 2, 3], top_k=1, sample_n=1, return_entropy=True)
-    scorer.score(
-        batch_from_jobs([Job(job_id="warmup", entry_id="0-0", request=req, submitted_at=0)])
+def warmup(scorer: Scorer, settings: Settings) -> dict[str, object]:
+    """Run every kernel the serving path can launch, on every rank (consumer/warmup.py);
+    returns what was warmed, for the start-up log."""
+    from consumer import warmup as warming
+
+    plan = warming.plan(
+        max_top_k=settings.queue.max_top_k,
+        max_sample_n=settings.queue.max_sample_n,
+        vocab_size=scorer.spec.vocab_size,
+        max_input_tokens=scorer.spec.max_input_tokens,
+        token_budget=settings.consumer.token_budget,
+        full=settings.consumer.warmup == "full"
+        or (settings.consumer.warmup == "auto" and scorer.device.type == "cuda"),
+        graphs=scorer.graphs is not None and scorer.graphs.buckets,
     )
+    return warming.run(scorer, plan)
 
 
 def start_model(
@@ -119,12 +131,13 @@ def start_model(
     layout: ParallelLayout,
     client: redis.Redis | None,
     choice: weights.StartChoice | None,
-) -> tuple[Scorer, str, int]:
+) -> tuple[Scorer, str, int, str]:
     """Load the weights this replica starts on (`weights.start_choice`, made by the leader and
     broadcast): the queue's updated weights if any, else the configured model. If the queue's
     weights cannot be loaded, the running update is recorded as failed and the replica starts
     on the weights before it (or its configured model) instead of dying; returns scorer,
-    version and the generation served. Only the configured model failing is fatal."""
+    version, the generation served and its path ("" = the configured model). Only the
+    configured model failing is fatal."""
     group, device = layout.replica_group, pick_device(settings.consumer.device)
     queue = settings.queue.name
     path = broadcast_text(
@@ -144,8 +157,8 @@ def start_model(
                 generation=choice.generation,
                 model_version=loaded[1],
             )
-            return loaded[0], loaded[1], choice.generation
-        return loaded[0], loaded[1], 0
+            return loaded[0], loaded[1], choice.generation, path
+        return loaded[0], loaded[1], 0, path
     if not path:  # the configured model itself: a configuration error
         raise CheckpointLoadError(f"TEACHERQ_MODEL__PATH={settings.model.path!r}: {reason}")
     fallback = ""
@@ -180,17 +193,47 @@ def start_model(
         model_version=version,
         note=f"queue weights {path!r} failed to load",
     )
-    return scorer, version, generation
+    return scorer, version, generation, fallback
+
+
+class StartClock:
+    """Seconds per phase of a consumer's start (import, setup, build, read, copy, warmup),
+    for `consumer.ready`'s `phases_s`."""
+
+    def __init__(self, started: float | None) -> None:
+        self.started = started if started is not None else time.monotonic()
+        self._last = self.started
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str, *, split: dict[str, float] | None = None) -> None:
+        """Close phase `name` now; `split` (load phases: build, read, copy) names parts of
+        it, and what they leave is kept as `name`."""
+        now = time.monotonic()
+        total = now - self._last
+        self._last = now
+        for part, seconds in (split or {}).items():
+            self.phases[part] = round(seconds, 3)
+            total -= seconds
+        self.phases[name] = round(max(total, 0.0), 3)
+        self.phases["total"] = round(now - self.started, 3)
 
 
 class CheckpointLoadError(InvalidCheckpoint):
     """The configured model (TEACHERQ_MODEL__PATH) cannot be loaded: a configuration error."""
 
 
-def run(settings: Settings) -> int:
+def run(
+    settings: Settings,
+    *,
+    started: float | None = None,
+    compile_caches: dict[str, str] | None = None,
+) -> int:
     """Serve the queue until stopped; returns the process exit code. Raises UnsafeRedis,
-    before loading the model, when the start-up checks refuse (see `preflight`)."""
+    before loading the model, when the start-up checks refuse (see `preflight`). `started`
+    (time.monotonic() at the process's start) times the import phase of `consumer.ready`."""
+    clock = StartClock(started)
     cpu_compat.apply()
+    clock.lap("import")
     stop = StopFlag()
     stop.install()
     layout = init_parallel(
@@ -225,13 +268,28 @@ def run(settings: Settings) -> int:
             assert client is not None
             control_cursor = last_control_id(client, settings.queue.name)
             choice = weights.start_choice(weights.current(client, settings.queue.name))
-        scorer, version, generation = start_model(settings, layout, client, choice)
-        warmup(scorer)
+        clock.lap("setup")
+        with recording() as load_phases:
+            scorer, version, generation, served_path = start_model(settings, layout, client, choice)
+        clock.lap("load", split=load_phases)
+        warmed = warmup(scorer, settings)
+        clock.lap("warmup")
+        log.info(
+            "consumer.warmed_up",
+            compile_caches=compile_caches or {},
+            **warmed,
+        )
+        reload = Reloader(
+            scorer=scorer,
+            path=served_path,
+            configured=settings.model.path,
+            build=lambda p: build_scorer(settings, layout, p or None),
+            warm=lambda fresh: log.info("weights.warmed_up", **warmup(fresh, settings)),
+        )
 
-        def reload(new_path: str) -> tuple[Scorer, str]:
-            fresh, fresh_version = build_scorer(settings, layout, new_path)
-            warmup(fresh)
-            return fresh, fresh_version
+        def ready_phases() -> dict[str, float]:
+            clock.lap("open")  # the leader's stream and heartbeat set up
+            return clock.phases
 
         if not layout.is_leader:
             follow(scorer, faults, reload=reload)
@@ -251,6 +309,7 @@ def run(settings: Settings) -> int:
             reload=reload,
             generation=generation,
             control_cursor=control_cursor,
+            ready_phases=ready_phases,
         )
         if choice.trying_update and generation == choice.generation:
             # This replica started on the running update's weights: count it as applied.

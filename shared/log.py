@@ -52,6 +52,44 @@ def configure_logging(*, level: str = "info", fmt: str = "auto", **bound: object
         structlog.contextvars.bind_contextvars(**bound)
 
 
+class _ToStructlog(logging.Handler):
+    """Forwards stdlib logging records (and, through `logging.captureWarnings`, warnings.warn
+    notices) to structlog: below ERROR at debug level, ERROR and above at their own."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self._log = structlog.get_logger("teacherq.libraries")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.name == "py.warnings":  # "path:line: Category: text\n  source line"
+                message = message.strip().splitlines()[0]
+            fields = {"logger": record.name, "library_level": record.levelname.lower()}
+            if record.levelno >= logging.ERROR:
+                self._log.error("library.log", message=message, **fields)
+            else:
+                self._log.debug("library.log", message=message, **fields)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+def route_library_logs(*, level: str) -> None:
+    """Send what libraries write through stdlib logging and `warnings.warn` (megatron-core's
+    start-up notices, Apex / Transformer Engine fallbacks) into this process's structlog
+    output at debug level, so that at the default level a consumer's output holds teacherq's
+    own lines only. Their errors keep their level. Call once, from `main()`, after
+    `configure_logging`."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, _ToStructlog):
+            root.removeHandler(handler)
+    root.addHandler(_ToStructlog())
+    # Below debug nothing of theirs is shown, so records under ERROR are not even formatted.
+    root.setLevel(logging.DEBUG if _level_number(level) <= logging.DEBUG else logging.ERROR)
+    logging.captureWarnings(True)
+
+
 def _library_logger(name: str) -> Any:
     """A logger of its own (no global state touched): stderr, JSON lines, the env's level."""
     raw = os.environ.get(LEVEL_ENV) or LIBRARY_DEFAULT_LEVEL

@@ -322,6 +322,20 @@ class ConsumerSettings(_Section):
     lengths; in fp32 one exact layout. A bucket is recorded the first time it comes, a layout
     the second. 0: always eager."""
 
+    compile_cache_dir: Path | None = None
+    """Where compiled kernels are kept across restarts (Triton's TRITON_CACHE_DIR and torch
+    inductor's TORCHINDUCTOR_CACHE_DIR are set under it before anything compiles), so a
+    restarted consumer loads them instead of compiling again. Unset: `<redis.home>/compile-cache`,
+    unless TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR are set already. In a container, point it
+    at a persistent volume."""
+
+    warmup: Literal["auto", "full", "minimal"] = "auto"
+    """Warm-up before a consumer reports ready: `full` runs every output combination the queue
+    limits allow (and, with CUDA graphs, records the graph of a full batch for each
+    document-length class), so the first batch of any output runs at warm speed; `minimal`
+    runs one small batch (quicker start, slower first batches). auto: full on CUDA, where
+    kernels compile, minimal elsewhere."""
+
     # Teacher-only: a consumer never trains. These exist so that a settings file written for a
     # trainer is refused with a clear reason instead of being half-honoured.
     train: bool = False

@@ -42,8 +42,10 @@ from consumer.checkpoints.hf_config import (
 )
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.validate import CheckpointError, inventory_problems, raise_problems
+from consumer.load_phases import phase
 from consumer.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
 from consumer.parallel import ParallelLayout
+from consumer.weight_copy import ParamWriter
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -298,16 +300,22 @@ def load_hf_weights(
     if unloaded or unknown:
         # the model was built from a different spec than the readers describe
         raise RuntimeError(f"parameter mismatch: no reader for {unloaded}, no parameter {unknown}")
-    with torch.no_grad():
+    writer = ParamWriter(next(iter(params.values())).device)
+    try:
         for name, read in readers.items():
-            shard = read(ckpt)
+            with phase("read"):
+                shard = read(ckpt)
             param = params[name]
             if tuple(shard.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"{name}: rank {layout.tp_rank}'s shard has shape {list(shard.shape)}, "
                     f"the model expects {list(param.shape)}"
                 )
-            param.copy_(shard)
+            with phase("copy"):
+                writer.write(param, shard)
+    finally:
+        with phase("copy"):
+            writer.finish()
 
 
 def load_hf_checkpoint(
@@ -328,9 +336,10 @@ def load_hf_checkpoint(
             spec = validate_hf_checkpoint(ckpt, tp=layout.tp, ep=layout.ep)
         else:
             spec = spec_from_hf_config(ckpt.config)
-        model = build_model(
-            spec, layout, params_dtype=params_dtype, device=device, init_weights=False
-        )
+        with phase("build"):
+            model = build_model(
+                spec, layout, params_dtype=params_dtype, device=device, init_weights=False
+            )
         load_hf_weights(model, spec, ckpt, layout)
     model.teacherq_spec = spec
     return model, spec

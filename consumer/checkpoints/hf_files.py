@@ -8,6 +8,8 @@ A leaf of the checkpoint package: the family-specific readers (`hf.py`, `hf_moe.
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ class HfCheckpoint:
             raise CheckpointError(f"no {CONFIG_NAME} in {self.path}")
         self.config: dict = json.loads(config_path.read_text())
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}
         self._file_of = self._locate_tensors()
         self._shapes: dict[str, tuple[int, ...]] | None = None
 
@@ -82,23 +85,72 @@ class HfCheckpoint:
 
     def read_slices(self, name: str, *slices: slice) -> torch.Tensor:
         """Tensor `name` sliced along its leading dimensions (e.g. experts, rows, columns)."""
+        stored = self._stored(name)
+        if stored is not None:
+            return stored[slices]
         return self._open(self._file_of[name]).get_slice(name)[slices]
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it."""
-        view = self._open(self._file_of[name]).get_slice(name)
+        """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it: a view of the
+        file's memory map where it can be (copied once, straight into the parameter, by the
+        loader), else a copy read by safetensors. Do not write into it."""
+        view = self._stored(name)
+        if view is None:
+            view = self._open(self._file_of[name]).get_slice(name)
         if cols is not None:
             return view[rows or slice(None), cols]
         if rows is not None:
             return view[rows]
         return view[:]
 
+    def _stored(self, name: str) -> torch.Tensor | None:
+        """Tensor `name` as a view of its file's memory map (no copy: pages are read when the
+        view is), or None for a dtype torch cannot view (safetensors then reads it)."""
+        file = self._file_of[name]
+        if file not in self._maps:
+            self._maps[file] = _map_safetensors(file)
+        mapped, base, header = self._maps[file]
+        info = header.get(name)
+        if not isinstance(info, dict) or info.get("dtype") not in _VIEW_DTYPES:
+            return None
+        dtype = _VIEW_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, offset=base + start, count=end - start)
+        return raw.view(dtype).reshape(info["shape"])
+
     def close(self) -> None:
-        """Drop the open file handles (the memory maps go with them)."""
+        """Drop the open file handles and maps (a map lives on while a view of it does)."""
         self._handles.clear()
+        self._maps.clear()
 
     def __enter__(self) -> HfCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_VIEW_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _map_safetensors(file: Path) -> tuple[mmap.mmap, int, dict]:
+    """A private (copy-on-write, so torch may view it) memory map of a safetensors file, where
+    its data starts, and its header."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return mapped, 8 + size, header

@@ -1,0 +1,285 @@
+"""Cold start, first pass and weight updates of a real consumer (issue 37), side by side.
+
+On a fresh process (a real `python -m consumer`, an embedded valkey-server, file:// storage):
+
+1. **Time to ready by phase** (`consumer.ready`'s `phases_s`: import, setup, build, read,
+   copy, warmup, open), once with an empty compile cache ("cold") and once restarted on the
+   cache the first start filled ("cached").
+2. **First pass vs warm pass of every output** on documents of `--doc-tokens` tokens: for each
+   output (next-token log-probs, labels, top-k, samples, entropy, temperature 0.7, all at once)
+   one pass of `--docs` documents the consumer has never seen that output for, then a second
+   pass of new documents; tokens/s of each and their ratio (the issue's target: >= 0.90).
+3. **Weight update gap**: `update-weights` to a checkpoint of the same shape (loaded in place)
+   and to one of another shape (built anew), each while a pass is being served: the
+   consumer's `weights.updated` line (`in_place`, `gap_s` = last batch on the old weights to
+   serving the new ones, `drain_s`) and the command's wall time.
+
+Checkpoints are random-init Hugging Face directories written here (no network), with the same
+writer as scripts/make_checkpoint.py, in bf16; kept in `--work` so a rerun reuses them.
+
+    python bench/cold_start.py                       # Qwen2.5-1.5B shape on the GPU
+    python bench/cold_start.py --model tiny --device cpu --docs 8 --doc-tokens 64  # plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from a checkout
+
+# Qwen2.5-1.5B's shape (public config.json), and a tiny one for a smoke test.
+MODELS = {
+    "1.5b": {
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "num_layers": 28,
+        "num_attention_heads": 12,
+        "num_kv_heads": 2,
+        "intermediate_size": 8960,
+        "tie_embeddings": True,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 32768,
+    },
+    "tiny": {
+        "vocab_size": 500,
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 128,
+    },
+}
+OUTPUTS = {
+    "logprobs": {},
+    "labels": {"labels": 4},
+    "top_k": {"top_k": 64},
+    "samples": {"sample_n": 8},
+    "entropy": {"return_entropy": True},
+    "temperature": {"temperature": 0.7},
+    "all": {"labels": 4, "top_k": 64, "sample_n": 8, "return_entropy": True},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="1.5b")
+    p.add_argument("--work", type=Path, default=Path("/tmp/teacherq-cold-start"))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--docs", type=int, default=128, help="documents per pass")
+    p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--outputs", default=",".join(OUTPUTS), help="comma-separated")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    return p.parse_args(argv)
+
+
+def checkpoint(work: Path, model: str, name: str, seed: int, **changes: int) -> Path:
+    """A random-init bf16 checkpoint of `model`'s shape (with `changes`), written once."""
+    import torch
+
+    from consumer.checkpoints.synthetic import write_random_hf_checkpoint
+
+    out = work / f"{model}-{name}"
+    if not (out / "config.json").is_file():
+        t0 = time.monotonic()
+        write_random_hf_checkpoint(
+            out, "qwen2", seed=seed, dtype=torch.bfloat16, **{**MODELS[model], **changes}
+        )
+        print(f"# wrote {out} in {time.monotonic() - t0:.0f} s", flush=True)
+    return out
+
+
+class Consumer:
+    """A real consumer process and its JSON log."""
+
+    def __init__(self, settings, log_path: Path, cwd: Path) -> None:
+        from shared.settings import to_env
+
+        self.log_path = log_path
+        env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "consumer"],
+                env=env,
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def events(self, name: str) -> list[dict]:
+        """Every logged event called `name`, in order."""
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if e.get("event") == name:
+                out.append(e)
+        return out
+
+    def wait_event(self, name: str, count: int, timeout: float) -> list[dict]:
+        """Block until `name` was logged `count` times (poll; raises if the process died)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.events(name)
+            if len(got) >= count:
+                return got
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text()[-4000:]
+                raise RuntimeError(f"consumer exited ({self.proc.returncode}):\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not logged {count} times")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM, and wait for it to drain and exit."""
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=300)
+
+
+def requests(output: str, *, docs: int, tokens: int, vocab: int, seed: int) -> list:
+    """`docs` new random documents asking for `output`."""
+    import numpy as np
+
+    from shared.messages import TeacherRequest
+
+    rng = np.random.default_rng(seed)
+    opts = dict(OUTPUTS[output])
+    width = opts.pop("labels", 0)
+    reqs = []
+    for i in range(docs):
+        ids = rng.integers(0, vocab, size=tokens, dtype=np.int64)
+        labels = rng.integers(0, vocab, size=(tokens - 1, width)) if width else None
+        reqs.append(TeacherRequest(input_ids=ids, label_token_ids=labels, seed=i, **opts))
+    return reqs
+
+
+def timed_pass(client, reqs: list, timeout: float) -> float:
+    """Tokens/s of submitting `reqs` and waiting for every result."""
+    t0 = time.monotonic()
+    results = client.wait(client.submit(reqs), timeout=timeout, progress=False)
+    seconds = time.monotonic() - t0
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} jobs failed, e.g. {bad[0]}")
+    return sum(len(r.input_ids) for r in reqs) / seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three measurements and print one JSON summary plus readable ratios."""
+    from producer import TeacherClient
+    from shared.redis_server import ensure_embedded, stop_embedded
+    from shared.settings import Settings
+
+    args = parse_args(argv)
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    a = checkpoint(work, args.model, "a", seed=1)
+    b = checkpoint(work, args.model, "b", seed=2)
+    # another shape (half the layers: quicker to write than a third full model)
+    layers = max(1, MODELS[args.model]["num_layers"] // 2)
+    other = checkpoint(work, args.model, "half", seed=3, num_layers=layers)
+    run = work / f"run-{int(time.time())}"
+    home = run / "valkey"
+    url, _ = ensure_embedded(home)
+    vocab = MODELS[args.model]["vocab_size"]
+    report: dict = {"model": args.model, "doc_tokens": args.doc_tokens, "docs": args.docs}
+    try:
+        settings = Settings(
+            redis={"url": url, "home": str(home)},
+            queue={"name": "cold"},
+            storage={"url": f"file://{run / 'objects'}"},
+            model={"path": str(a), "dtype": "auto"},
+            consumer={
+                "device": args.device,
+                "token_budget": args.token_budget,
+                "batch_max_jobs": 256,
+                "compile_cache_dir": str(run / "compile-cache"),  # empty: a fresh machine
+                "block_ms": 200,
+            },
+            log={"format": "json"},
+        )
+        client = TeacherClient(settings)
+        starts = {}
+        for name in ("cold", "cached"):
+            consumer = Consumer(settings, run / f"consumer-{name}.log", run)
+            t0 = time.monotonic()
+            [ready] = consumer.wait_event("consumer.ready", 1, args.timeout)
+            starts[name] = {"wall_s": round(time.monotonic() - t0, 2), **ready["phases_s"]}
+            if name == "cold":
+                consumer.stop()
+        report["time_to_ready_s"] = starts
+
+        passes = {}
+        for i, output in enumerate(args.outputs.split(",")):
+            rates = [
+                timed_pass(
+                    client,
+                    requests(
+                        output,
+                        docs=args.docs,
+                        tokens=args.doc_tokens,
+                        vocab=vocab,
+                        seed=100 * i + k,
+                    ),
+                    args.timeout,
+                )
+                for k in range(2)
+            ]
+            passes[output] = {
+                "first_tok_s": round(rates[0]),
+                "warm_tok_s": round(rates[1]),
+                "first_over_warm": round(rates[0] / rates[1], 3),
+            }
+            print(f"# {output}: {passes[output]}", flush=True)
+        report["passes"] = passes
+
+        updates = {}
+        for n, (label, path) in enumerate((("same_shape", b), ("other_shape", other)), 1):
+            reqs = requests(
+                "logprobs", docs=args.docs, tokens=args.doc_tokens, vocab=vocab, seed=900 + n
+            )
+            ids = client.submit(reqs)  # served while the update comes
+            t0 = time.monotonic()
+            client.update_weights(str(path), timeout=args.timeout)
+            wall = time.monotonic() - t0
+            client.wait(ids, timeout=args.timeout, progress=False)
+            line = consumer.wait_event("weights.updated", n, 60)[n - 1]
+            updates[label] = {
+                "in_place": line.get("in_place"),
+                "gap_s": line.get("gap_s"),
+                "drain_s": line.get("drain_s"),
+                "command_s": round(wall, 2),
+            }
+        report["weight_updates"] = updates
+        consumer.stop()
+    finally:
+        stop_embedded(home)
+
+    print(json.dumps(report))
+    cold, cached = report["time_to_ready_s"]["cold"], report["time_to_ready_s"]["cached"]
+    print(f"time to ready: cold {cold['total']:.1f} s, cached compile {cached['total']:.1f} s")
+    print("  phases (cold):", {k: v for k, v in cold.items() if k not in ("total", "wall_s")})
+    for output, p in report["passes"].items():
+        flag = "" if p["first_over_warm"] >= 0.9 else "   <-- below 0.90"
+        print(f"first/warm {output:12s} {p['first_over_warm']:.2f}{flag}")
+    same, other_u = updates["same_shape"], updates["other_shape"]
+    print(
+        f"update gap: in place {same['gap_s']} s (in_place={same['in_place']}), "
+        f"rebuild {other_u['gap_s']} s (in_place={other_u['in_place']})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
