@@ -24,6 +24,7 @@ from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
 from consumer.prefix import PackedTree
+from shared.messages import inverse_temperature
 from shared.tracing import PhaseClock
 
 
@@ -153,7 +154,7 @@ class Scorer:
                     sample_n=int(batch.sample_n_J[jobs].max()),
                     seed_T=plan.seed_U,
                     position_T=plan.position_U,
-                    want_entropy=bool(batch.entropy_J[jobs].any()),
+                    want_entropy=bool(batch.return_entropy_J[jobs].any()),
                     chunk_rows=self.chunk_rows,
                     deferred=True,
                     fused=self.fused_head,
@@ -213,7 +214,7 @@ class PendingScore:
 def _output_groups(batch: BatchTensors) -> list[list[int]]:
     groups: dict[tuple[bool, bool, bool], list[int]] = {}
     for j in range(batch.num_jobs):
-        key = (bool(batch.top_k_J[j]), bool(batch.sample_n_J[j]), bool(batch.entropy_J[j]))
+        key = (bool(batch.top_k_J[j]), bool(batch.sample_n_J[j]), bool(batch.return_entropy_J[j]))
         groups.setdefault(key, []).append(j)
     return list(groups.values())
 
@@ -268,6 +269,8 @@ def _head_rows(batch: BatchTensors, rows: _JobRows, jobs: list[int]) -> _HeadPla
     this is every job's rows in order, targets at column 0.
     """
     seeds, temps = batch.seed_J.tolist(), batch.temperature_J.tolist()
+    # The reciprocals by the rule submit checked requests with (raises ValueError otherwise).
+    inv_temperature_J = torch.tensor([inverse_temperature(t) for t in temps], dtype=torch.float32)
     num_packed = int(rows.packed_row_R.max()) + 1 if rows.packed_row_R.size else 0
     tables: dict[tuple[int, float], np.ndarray] = {}  # (seed, temp) -> packed row -> head row
     used = np.zeros(sum(int(rows.starts[j + 1] - rows.starts[j]) for j in jobs), np.int64)
@@ -297,7 +300,7 @@ def _head_rows(batch: BatchTensors, rows: _JobRows, jobs: list[int]) -> _HeadPla
         packed_row_U=torch.from_numpy(rows.packed_row_R[rep_U]),
         position_U=torch.from_numpy(rows.position_R[rep_U]),
         seed_U=batch.seed_J[torch.from_numpy(job_U)],
-        inv_temperature_U=(1.0 / batch.temperature_J)[torch.from_numpy(job_U)].float(),
+        inv_temperature_U=inv_temperature_J[torch.from_numpy(job_U)],
         targets_UW=torch.from_numpy(targets_UW),
         head_row=head_row,
         column=column,
@@ -336,7 +339,7 @@ def _split_per_job(
         if n:
             job["sampled_token_ids"] = samp_ids[rows, :n]
             job["sampled_logprobs"] = samp_lp[rows, :n]
-        if int(batch.entropy_J[j]):
+        if int(batch.return_entropy_J[j]):
             assert entropy is not None  # the pass computed it: one of its jobs asked
             job["entropy"] = entropy[rows]
         results.append(job)
