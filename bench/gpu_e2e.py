@@ -601,8 +601,6 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
     hidden = scorer.hidden_states(batch)
     rows, dev = hidden.shape[0], scorer.device
     head_args = dict(
-        hidden_TH=hidden,
-        weight_VH=scorer.model.output_weight_shard(),
         shard=scorer.shard,
         tp_group=None,
         target_ids_TW=batch.input_ids_T[:, None].to(dev),
@@ -617,8 +615,12 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
     }
     for kind, kw in kinds.items():
         out[f"head_{kind}"] = _timed_passes(
-            lambda _seed, kw=kw, ha=head_args: (
-                tp_ops.chunked_head(**ha, **kw, fused=not args.no_fused),
+            lambda _seed, kw=kw, ha=head_args, h=hidden: (
+                tp_ops.chunked_head(
+                    hidden_TH=h,
+                    weight_VH=scorer.model.output_weight_shard(),
+                    call=tp_ops.HeadCall(**ha, **kw, fused=not args.no_fused),
+                ),
                 rows,
             )[1],
             seeds=[0, 1, 2],

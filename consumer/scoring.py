@@ -24,7 +24,6 @@ from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
 from consumer.prefix import PackedTree
-from shared.messages import inverse_temperature
 from shared.tracing import PhaseClock
 
 
@@ -143,9 +142,7 @@ class Scorer:
                 # over without waiting for the forward (no device sync before the head). The
                 # rows' hidden states are gathered into a tensor of this pass's own, which a
                 # CUDA graph replayed for the next batch does not overwrite.
-                pending = tp_ops.chunked_head(
-                    hidden_TH=hidden_PH[tp_ops.to_device(plan.packed_row_U, hidden_PH.device)],
-                    weight_VH=self.model.output_weight_shard(),
+                call = tp_ops.HeadCall(
                     shard=self.shard,
                     tp_group=self.layout.tp_group,
                     target_ids_TW=plan.targets_UW,
@@ -156,8 +153,13 @@ class Scorer:
                     position_T=plan.position_U,
                     want_entropy=bool(batch.return_entropy_J[jobs].any()),
                     chunk_rows=self.chunk_rows,
-                    deferred=True,
                     fused=self.fused_head,
+                )
+                pending = tp_ops.chunked_head(
+                    hidden_TH=hidden_PH[tp_ops.to_device(plan.packed_row_U, hidden_PH.device)],
+                    weight_VH=self.model.output_weight_shard(),
+                    call=call,
+                    deferred=True,
                 )
                 passes.append(_Pass(jobs, plan, pending, _host(pending.out, wait=False)))
         done = None
@@ -269,8 +271,8 @@ def _head_rows(batch: BatchTensors, rows: _JobRows, jobs: list[int]) -> _HeadPla
     this is every job's rows in order, targets at column 0.
     """
     seeds, temps = batch.seed_J.tolist(), batch.temperature_J.tolist()
-    # The reciprocals by the rule submit checked requests with (raises ValueError otherwise).
-    inv_temperature_J = torch.tensor([inverse_temperature(t) for t in temps], dtype=torch.float32)
+    # By the rule submit checked the requests with (raises ValueError otherwise).
+    inv_temperature_J = tp_ops.validate_temperature(temperature_T=batch.temperature_J)
     num_packed = int(rows.packed_row_R.max()) + 1 if rows.packed_row_R.size else 0
     tables: dict[tuple[int, float], np.ndarray] = {}  # (seed, temp) -> packed row -> head row
     used = np.zeros(sum(int(rows.starts[j + 1] - rows.starts[j]) for j in jobs), np.int64)

@@ -433,6 +433,7 @@ REQUIRED_FIELDS = ("v", "job_id", "meta", "input_ids")  # of a job's stream entr
 # ---------------------------------------------------------------------------------------------
 # Results
 
+
 @dataclass(frozen=True)
 class ResultArray:
     """One per-position result array: its name (a `TeacherResult` field, the record's

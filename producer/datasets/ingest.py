@@ -36,6 +36,7 @@ from shared.messages import (
 
 log = get_logger("teacherq.datasets")
 
+
 def row_request(row: Mapping[str, Any], *, options: RequestOptions, job_id: str) -> TeacherRequest:
     """The request for one row: the dataset options, overridden by the row's own non-null
     values. Raises InvalidJob naming what is wrong with the row."""

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from consumer import kernels, tp_ops  # noqa: E402 - after the skips
 from consumer.kernels import rowstats  # noqa: E402 - after the skips
 from consumer.tp_ops.local import local_samples  # noqa: E402 - after the skips
+from tests.helpers import chunked, head  # noqa: E402 - after the skips
 
 VOCAB, PADDED = 151936, 152064
 CUDA = torch.device("cuda")
@@ -102,7 +103,7 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
 
 
 def _head(logits: torch.Tensor, a: dict, *, fused: bool, device: torch.device, **kw) -> dict:
-    out = tp_ops.head_from_logits(
+    out = head(
         logits_TV=logits.to(device),
         shard=tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=PADDED, vocab_size=VOCAB),
         tp_group=None,
@@ -206,7 +207,7 @@ def test_chunked_head_fused_equals_reference_on_cuda():
     )
     outs = []
     for fused in (True, False):
-        out = tp_ops.chunked_head(**args, fused=fused)
+        out = chunked(**args, fused=fused)
         outs.append({k: (None if v is None else v.cpu()) for k, v in vars(out).items()})
     _assert_same(outs[0], outs[1])
 

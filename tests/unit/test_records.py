@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,7 @@ from shared.messages import (
     decode_job,
     encode_job,
     inverse_temperature,
+    parse_request,
 )
 from shared.results import decode_record, encode_record
 
@@ -128,7 +130,22 @@ def test_tiny_temperature_is_refused_at_submit() -> None:
     with pytest.raises(InvalidJob, match=r"temperature 1e-45 is too small: 1/temperature"):
         TeacherRequest(input_ids=[1, 2], temperature=1e-45)
     with pytest.raises(InvalidJob, match="temperature"):
+        parse_request({"input_ids": [1, 2], "temperature": 1e-45})  # what submit calls
+    with pytest.raises(InvalidJob, match="temperature"):
         RequestOptions(temperature=1e-45)
+
+
+def test_tiny_temperature_from_an_old_producer_is_invalid_at_intake() -> None:
+    """A stream entry that carries temperature=1e-45 (written by a producer that let it
+    through) fails to decode with InvalidJob: the consumer dead-letters it at once instead of
+    splitting a batch over it."""
+    fields = encode_job(TeacherRequest(input_ids=[1, 2, 3]), job_id="j")
+    meta = json.loads(fields["meta"])
+    meta["temperature"] = 1e-45
+    fields["meta"] = json.dumps(meta)
+    raw = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+    with pytest.raises(InvalidJob, match="1/temperature overflows float32"):
+        decode_job("1-0", raw, limits=LIMITS)
 
 
 @pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf"), 1e-39, 1e-45])
