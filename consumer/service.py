@@ -210,7 +210,7 @@ def run(settings: Settings) -> int:
         choice: weights.StartChoice | None = None
         verdict = ""
         if layout.is_leader:
-            from shared.redis_server import connect
+            from shared.redis_client import connect
 
             client = connect(settings.redis)
             verdict = preflight(client, settings)

@@ -12,20 +12,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from producer.cli_settings import verb_settings
 from shared import exitcodes
 from shared.messages import OPTION_FIELDS, RequestOptions
-from shared.settings import Settings, load_settings
+from shared.settings import Settings
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
 def _settings(queue: str | None = None) -> Settings:
-    settings = load_settings()  # a SettingsError is reported by producer.cli_errors (exit 78)
-    if queue:
-        from producer.datasets import with_queue
-
-        settings = with_queue(settings, queue)
+    settings = verb_settings(queue)
     from shared.log import configure_logging
 
     configure_logging(level=settings.log.level, fmt=settings.log.format)
@@ -129,7 +126,7 @@ def datasets_cmd(
 ) -> None:
     """List datasets with their progress (queued, done, failed) and an ETA."""
     from producer.datasets import list_datasets
-    from shared.redis_server import connect
+    from shared.redis_client import connect
 
     settings = _settings()
     snaps = list_datasets(connect(settings.redis), [queue] if queue else None)

@@ -14,9 +14,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from producer.cli_settings import verb_settings
 from producer.dead_letter_replay import parse_since
 from shared import exitcodes
-from shared.settings import Settings, load_settings
+from shared.settings import Settings
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -33,12 +34,8 @@ def parse_time(text: str, *, now: float | None = None) -> float:
         raise typer.BadParameter(str(exc)) from None
 
 
-def _settings() -> Settings:
-    return load_settings()  # a SettingsError is reported by producer.cli_errors (exit 78)
-
-
 def _redis(settings: Settings):
-    from shared.redis_server import connect
+    from shared.redis_client import connect
 
     return connect(settings.redis)
 
@@ -73,7 +70,7 @@ def trace(
     if fmt not in ("tree", "chrome", "json"):
         err.print(f"[red]unknown --format {fmt!r}; expected tree, chrome or json[/red]")
         raise typer.Exit(2)
-    settings = _settings()
+    settings = verb_settings()
     store = TraceStore(_redis(settings), settings.queue.name)
     if job_id is not None:
         view = load_job(store, job_id)
@@ -124,7 +121,7 @@ def status(
     throughput: tables on a terminal, one JSON object otherwise (or with --json)."""
     from producer.status import render, snapshot
 
-    settings = _settings()
+    settings = verb_settings()
     r = _redis(settings)
     q = settings.queue
 
