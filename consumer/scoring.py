@@ -24,6 +24,7 @@ from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
 from consumer.prefix import PackedTree
+from consumer.transfer import to_device
 from shared.tracing import PhaseClock
 
 
@@ -83,7 +84,7 @@ class Scorer:
         hidden_PH = self.packed_hidden_states(tree)
         if not tree.shared:
             return hidden_PH.clone() if self.graphs is not None else hidden_PH
-        return hidden_PH[tp_ops.to_device(tree.row_of_T, hidden_PH.device)]
+        return hidden_PH[to_device(tree.row_of_T, hidden_PH.device)]
 
     def layout_of(self, batch: BatchTensors) -> PackedTree:
         """The packed layout of a batch (raises ValueError if its prompt sharing is
@@ -98,8 +99,8 @@ class Scorer:
         CUDA graphs this may be a graph's output buffer, overwritten by the next forward."""
         clock = clock or PhaseClock()
         with clock.phase("h2d"):
-            ids = tp_ops.to_device(tree.input_ids_P, self.device)
-            pos = tp_ops.to_device(tree.position_P, self.device)
+            ids = to_device(tree.input_ids_P, self.device)
+            pos = to_device(tree.position_P, self.device)
             bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
             if self.device.type == "cuda":  # before any graph capture reads it (graphs.py)
                 bounds.varlen = VarlenLayout.of(tree.segments, self.device)
@@ -156,7 +157,7 @@ class Scorer:
                     fused=self.fused_head,
                 )
                 pending = tp_ops.chunked_head(
-                    hidden_TH=hidden_PH[tp_ops.to_device(plan.packed_row_U, hidden_PH.device)],
+                    hidden_TH=hidden_PH[to_device(plan.packed_row_U, hidden_PH.device)],
                     weight_VH=self.model.output_weight_shard(),
                     call=call,
                     deferred=True,

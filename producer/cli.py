@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from producer import cli_datasets, cli_exporter, cli_observe
-from producer.cli_settings import verb_settings
+from producer.cli_common import verb_settings
 from shared import exitcodes
 from shared.settings import Settings
 
@@ -200,14 +200,10 @@ def replay(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """Move dead-lettered jobs back onto the jobs stream (dry-run first)."""
-    from producer.dead_letter_replay import parse_since
+    from producer.cli_common import parse_since
     from producer.dead_letter_replay import replay as do_replay
 
-    settings = verb_settings()
-    if queue:
-        settings = settings.model_copy(
-            update={"queue": settings.queue.model_copy(update={"name": queue})}
-        )
+    settings = verb_settings(queue)
     try:
         since_ts = parse_since(since) if since else None
     except ValueError as exc:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer.cli_settings import verb_settings
+from producer.cli_common import verb_settings
 from shared import exitcodes
 from shared.messages import OPTION_FIELDS, RequestOptions
 from shared.settings import Settings

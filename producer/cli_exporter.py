@@ -15,7 +15,7 @@ import redis
 import typer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from producer.cli_settings import verb_settings
+from producer.cli_common import verb_settings
 from shared.settings import Settings
 
 

@@ -14,8 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from producer.cli_settings import verb_settings
-from producer.dead_letter_replay import parse_since
+from producer.cli_common import since_option, verb_settings
 from shared import exitcodes
 from shared.settings import Settings
 
@@ -23,15 +22,6 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 EXIT_NOT_FOUND = exitcodes.NOT_DONE  # like `teacherq results` for unfinished jobs
-
-
-def parse_time(text: str, *, now: float | None = None) -> float:
-    """`parse_since` (producer/dead_letter_replay.py) for a typer option: a bad value is a
-    usage error."""
-    try:
-        return parse_since(text, now=now)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
 
 
 def _redis(settings: Settings):
@@ -78,8 +68,8 @@ def trace(
         view = load_batch(store, batch)
     else:
         now = time.time()
-        lo = parse_time(since, now=now)
-        hi = parse_time(until, now=now) if until else now
+        lo = since_option(since, now=now)
+        hi = since_option(until, now=now) if until else now
         view = load_window(store, lo, hi, limit=limit)
     if view.empty:
         err.print(f"[yellow]no spans recorded for {view.title}[/yellow]")

@@ -32,7 +32,8 @@ from consumer.tp_ops.exchange import exchange
 from consumer.tp_ops.layout import HeadCall, HeadOutputs, HeadRequest
 from consumer.tp_ops.local import local_reduce
 from consumer.tp_ops.random_source import stream_keys
-from consumer.tp_ops.validation import check_inputs, to_device
+from consumer.tp_ops.validation import check_inputs
+from consumer.transfer import to_device
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "PendingHead", "chunked_head", "head_from_logits"]
 

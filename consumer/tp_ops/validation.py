@@ -1,5 +1,5 @@
-"""The arguments of a head call, checked on the host before any collective starts, and the
-per-row inputs moved to the logits' device without a sync.
+"""The arguments of a head call (`HeadCall`), checked on the host before any collective
+starts.
 
 Shape legend (suffixes on tensor names):
     T  rows (scored positions) of the batch
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from consumer.head_common import SENTINEL_ID, VocabShard
 from consumer.tp_ops.layout import HeadCall
 
-__all__ = ["check_inputs", "group_layout", "to_device"]
+__all__ = ["check_inputs", "group_layout"]
 
 
 def group_layout(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -107,13 +107,3 @@ def _check_targets(
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}, logits on {device} (or pass it on the CPU)")
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; from the host to CUDA through pinned memory, so the copy does not wait
-    for work already queued on the device (a plain `.to` would sync)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
