@@ -85,8 +85,10 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
     # The fast block choice alone, as configured, and exact keys everywhere.
     for margin in (0.0, 1.0, float("inf")):
         cfg.blocks_per_step, cfg.samples_per_program, cfg.sample_margin = (
-            blocks, per_program, margin
-        )  # fmt: skip
+            blocks,
+            per_program,
+            margin,
+        )
         try:
             got = rowstats.gumbel_argmax(
                 logits_RV=logits.to(CUDA),

@@ -70,10 +70,14 @@ def test_a_batch_of_new_lengths_makes_one_flash_call_per_layer_and_no_cudnn_call
     rng = np.random.default_rng(0)
     lengths = rng.integers(50, 900, size=12).tolist()
     jobs = [
-        Job(job_id=f"j{i}", entry_id=f"0-{i}", submitted_at=0.0,
-            request=TeacherRequest(input_ids=rng.integers(0, 1000, n)))
+        Job(
+            job_id=f"j{i}",
+            entry_id=f"0-{i}",
+            submitted_at=0.0,
+            request=TeacherRequest(input_ids=rng.integers(0, 1000, n)),
+        )
         for i, n in enumerate(lengths)
-    ]  # fmt: skip
+    ]
     batch = batch_from_jobs(jobs)
     scorer.hidden_states(batch)  # warm-up: library handles, kernels loaded
     from torch.profiler import ProfilerActivity, profile

@@ -88,8 +88,9 @@ def assert_same_results(got, want) -> None:
             if arr.dtype.kind in "iu":
                 np.testing.assert_array_equal(arr, b.arrays()[name], err_msg=f"{a.job_id} {name}")
             else:
-                np.testing.assert_allclose(arr, b.arrays()[name], rtol=0, atol=1e-5,
-                                           err_msg=f"{a.job_id} {name}")  # fmt: skip
+                np.testing.assert_allclose(
+                    arr, b.arrays()[name], rtol=0, atol=1e-5, err_msg=f"{a.job_id} {name}"
+                )
 
 
 def with_queue(settings: Settings, name: str) -> Settings:
@@ -347,12 +348,15 @@ def test_bad_entries_never_take_a_consumer_down(settings, start_consumer, r) -> 
     )
     fields = st.dictionaries(
         st.sampled_from(["v", "job_id", "meta", "input_ids", "label_token_ids", "junk"]),
-        value, min_size=1, max_size=6,
-    )  # fmt: skip
+        value,
+        min_size=1,
+        max_size=6,
+    )
     bad_ids: list[str] = []
 
-    @hsettings(max_examples=40, deadline=None,
-               suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+    @hsettings(
+        max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
     @given(fields)
     def write(entry: dict) -> None:
         job_id = f"bad-{len(bad_ids)}"
@@ -399,8 +403,14 @@ def test_consumer_refuses_redis_without_aof(settings, own_redis, tmp_path) -> No
     redis.Redis.from_url(url).config_set("appendonly", "no")
     s = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "consumer"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "AOF is off" in out.stdout + out.stderr
 

@@ -83,8 +83,15 @@ def fake_consume(
         batch_id = new_id()
         batches.append(batch_id)
         tokens = sum(j.request.num_tokens for j in jobs)
-        with span("batch", root=True, batch_id=batch_id, job_ids=[j.job_id for j in jobs],
-                  jobs=len(jobs), tokens=tokens, consumer=name) as b:  # fmt: skip
+        with span(
+            "batch",
+            root=True,
+            batch_id=batch_id,
+            job_ids=[j.job_id for j in jobs],
+            jobs=len(jobs),
+            tokens=tokens,
+            consumer=name,
+        ) as b:
             p0 = b.elapsed()
             outputs = [np.zeros(j.request.num_tokens - 1, np.float32) for j in jobs]
             time.sleep(0.002)
@@ -103,20 +110,42 @@ def fake_consume(
             if trace:
                 claim0 = max(t_read0, job.submitted_at)
                 ids = {"job_id": job.job_id}
-                record("queue_wait", start_time=job.submitted_at, end_time=claim0,
-                       carrier=carrier, **ids)  # fmt: skip
-                record("claim", start_time=claim0, end_time=t_read1, carrier=carrier,
-                       consumer=name, **ids)  # fmt: skip
+                record(
+                    "queue_wait",
+                    start_time=job.submitted_at,
+                    end_time=claim0,
+                    carrier=carrier,
+                    **ids,
+                )
+                record(
+                    "claim",
+                    start_time=claim0,
+                    end_time=t_read1,
+                    carrier=carrier,
+                    consumer=name,
+                    **ids,
+                )
                 link = {**ids, "batch_id": batch_id}
                 for phase, lo, hi in (("pack", p0, p1), ("forward", p1, f1), ("head", f1, h1)):
-                    record(phase, start_time=b.start_wall + lo, end_time=b.start_wall + hi,
-                           carrier=carrier, **link)  # fmt: skip
+                    record(
+                        phase,
+                        start_time=b.start_wall + lo,
+                        end_time=b.start_wall + hi,
+                        carrier=carrier,
+                        **link,
+                    )
             result = TeacherResult(job_id=job.job_id, model_version="fake", logprobs=logprobs)
             with span("store", carrier=carrier, job_id=job.job_id, batch_id=batch_id):
                 rec = encode_record(result, queue=queue, store=None, inline_max_bytes=1 << 20)
             with span("ack", carrier=carrier, job_id=job.job_id, batch_id=batch_id):
-                streams.complete(job_id=job.job_id, entry_id=job.entry_id, status="ok",
-                                 record=rec, ttl_s=3600, tokens=job.counted_tokens)  # fmt: skip
+                streams.complete(
+                    job_id=job.job_id,
+                    entry_id=job.entry_id,
+                    status="ok",
+                    record=rec,
+                    ttl_s=3600,
+                    tokens=job.counted_tokens,
+                )
             done += 1
         r.xadd(throughput_stream(queue), {"jobs": len(jobs), "tokens": tokens, "consumer": name})
     if sink is not None:
@@ -193,8 +222,12 @@ def test_sink_stores_indexes_caps_and_expires(settings: Settings, r: redis.Redis
     assert r.llen(trace_key(q, sub.trace_id)) == 5
     batch_tid = store.trace_of_batch("b1")
     assert batch_tid and store.batch_spans("b1")[0]["name"] == "batch"
-    for key in (trace_key(q, sub.trace_id), job_trace_key(q, "j1"), batch_trace_key(q, "b1"),
-                trace_jobs_key(q)):  # fmt: skip
+    for key in (
+        trace_key(q, sub.trace_id),
+        job_trace_key(q, "j1"),
+        batch_trace_key(q, "b1"),
+        trace_jobs_key(q),
+    ):
         assert 0 < r.ttl(key) <= 3 * 24 * 3600, key
     t = sub.start_wall
     assert store.jobs_between(t - 1, t + 1) == ["j1"]
@@ -398,15 +431,26 @@ def test_status_figures_match_a_scripted_scenario(settings: Settings, r: redis.R
     now = time.time()
     beat = {"model_version": "m1", "layout": "tp2-pp1-dp1", "jobs_done": 3, "tokens": 30}
     r.hset(keys.consumers_key(q), "c-live", json.dumps({**beat, "state": "busy", "time": now}))
-    r.hset(keys.consumers_key(q), "c-old", json.dumps({**beat, "state": "ready",
-                                                        "time": now - 600}))  # fmt: skip
+    r.hset(
+        keys.consumers_key(q), "c-old", json.dumps({**beat, "state": "ready", "time": now - 600})
+    )
 
     # One of the claimed jobs completes (done stream) in a batch of 5 tokens.
     job = decode_job(claimed[0], reply[0][1][0][1], limits=Limits())
-    rec = encode_record(TeacherResult(job_id=job.job_id, logprobs=np.zeros(4, np.float32)),
-                        queue=q, store=None, inline_max_bytes=1 << 20)  # fmt: skip
-    client.streams.complete(job_id=job.job_id, entry_id=job.entry_id, status="ok", record=rec,
-                            ttl_s=3600, tokens=job.counted_tokens)  # fmt: skip
+    rec = encode_record(
+        TeacherResult(job_id=job.job_id, logprobs=np.zeros(4, np.float32)),
+        queue=q,
+        store=None,
+        inline_max_bytes=1 << 20,
+    )
+    client.streams.complete(
+        job_id=job.job_id,
+        entry_id=job.entry_id,
+        status="ok",
+        record=rec,
+        ttl_s=3600,
+        tokens=job.counted_tokens,
+    )
     r.xadd(throughput_stream(q), {"jobs": 1, "tokens": 5, "consumer": "fake-a"})
 
     snap = client.status()
@@ -584,8 +628,9 @@ def test_wait_progress_counts_jobs_and_tokens(settings: Settings) -> None:
     client = TeacherClient(settings)
     ids = client.submit([TeacherRequest(input_ids=list(range(n))) for n in (4, 6, 8)])
     buf = StringIO()
-    bar = WaitProgress(3, total_tokens=18, console=Console(file=buf, force_terminal=True,
-                                                              width=160))  # fmt: skip
+    bar = WaitProgress(
+        3, total_tokens=18, console=Console(file=buf, force_terminal=True, width=160)
+    )
     t = _complete_in_thread(settings, 3)
     results = client.wait(ids, timeout=60, progress=bar)
     t.join(timeout=10)
@@ -606,8 +651,9 @@ def test_wait_shows_no_progress_off_a_terminal(settings: Settings, capfd) -> Non
 
 def test_cli_submit_wait_shows_a_progress_bar_on_a_terminal(settings: Settings, tmp_path) -> None:
     jsonl = tmp_path / "jobs.jsonl"
-    jsonl.write_text("".join(json.dumps({"input_ids": list(range(3 + i))}) + "\n"
-                             for i in range(4)))  # fmt: skip
+    jsonl.write_text(
+        "".join(json.dumps({"input_ids": list(range(3 + i))}) + "\n" for i in range(4))
+    )
     t = _complete_in_thread(settings, 4)
     env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO), "COLUMNS": "150"}
     code, seen, raw = run_with_terminal_stderr(

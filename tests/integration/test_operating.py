@@ -206,9 +206,14 @@ def test_submit_dataset_rejects_a_misspelled_field_like_submit(settings, tmp_pat
     assert proc.returncode == exitcodes.USAGE and f"{src}:2" in proc.stderr
     assert "topk" in proc.stderr
     kept = cli(
-        settings, "submit-dataset", str(src), "--output", str(tmp_path / "o"), "--keep-field",
+        settings,
+        "submit-dataset",
+        str(src),
+        "--output",
+        str(tmp_path / "o"),
+        "--keep-field",
         "topk",
-    )  # fmt: skip
+    )
     assert kept.returncode == 0, kept.stderr
 
 

@@ -253,8 +253,13 @@ def test_a_replica_that_applied_an_update_failed_elsewhere_reverts(
         ):
             assert time.monotonic() < deadline
         assert current(client.r, s.queue.name).state == "updating"  # phantom has not acked
-        assert fail_update(client.r, s.queue.name, generation=req.generation,
-                           replica="phantom", reason="out of memory")  # fmt: skip
+        assert fail_update(
+            client.r,
+            s.queue.name,
+            generation=req.generation,
+            replica="phantom",
+            reason="out of memory",
+        )
         with pytest.raises(WeightUpdateFailed, match="phantom.*out of memory"):
             wait_done(client.r, s.queue.name, req.generation, timeout_s=5)
         deadline = time.monotonic() + 60

@@ -86,11 +86,16 @@ def test_documents_longer_than_the_configured_positions_match_megatrons_own_rope
     positions = torch.arange(100)[None]
     with torch.no_grad():
         reference = model(ids, positions, attention_mask=None)[:, 0]
-        packed = model(ids, positions, attention_mask=None,
-                       packed_seq_params=TreeBounds.documents([100]))[:, 0]  # fmt: skip
+        packed = model(
+            ids, positions, attention_mask=None, packed_seq_params=TreeBounds.documents([100])
+        )[:, 0]
         assert model.rope_tables(torch.device("cpu"))[0].shape[0] == 128  # grown
-        two = model(ids.repeat(1, 2), positions.repeat(1, 2), attention_mask=None,
-                    packed_seq_params=TreeBounds.documents([100, 100]))[:, 0]  # fmt: skip
+        two = model(
+            ids.repeat(1, 2),
+            positions.repeat(1, 2),
+            attention_mask=None,
+            packed_seq_params=TreeBounds.documents([100, 100]),
+        )[:, 0]
     torch.testing.assert_close(packed, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(two[:100], reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(two[100:], reference, atol=1e-5, rtol=1e-5)
