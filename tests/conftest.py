@@ -6,18 +6,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from shared.settings import Settings, to_env
+from tests.helpers import REPO, wait_for_consumers
 from tests.processes import Valkey, stop_all
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -143,32 +142,17 @@ def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
     stop_all(procs)
 
 
-def wait_for_consumers(settings: Settings, *, count: int, proc=None, timeout: float = 120) -> None:
-    """Block until `count` consumers of the queue report ready (poll: start-up only)."""
-    from producer.client import TeacherClient
+@pytest.fixture
+def producer_sink(settings: Settings, r: redis.Redis) -> Iterator[Any]:
+    """This test process records its spans (the producer's `submit`) to Redis (a
+    `RedisSpanSink`)."""
+    from shared import tracing
+    from shared.trace_store import RedisSpanSink
 
-    client = TeacherClient(settings)
-    deadline = time.monotonic() + timeout
-    while True:
-        ready = [c for c in client.consumers().values() if c.get("state") in ("ready", "busy")]
-        if len(ready) >= count:
-            return
-        if proc is not None and proc.poll() is not None:
-            log = proc.log_path.read_text()[-3000:]
-            raise RuntimeError(f"consumer exited with {proc.returncode}:\n{log}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(ready)} of {count} consumers ready")
-        time.sleep(0.1)
-
-
-def wait_consumer_state(client, state: str, timeout: float = 30) -> None:
-    """Block until the queue's one consumer reports `state` in its heartbeat (poll)."""
-
-    def current() -> str:
-        [rec] = client.consumers().values()
-        return rec["state"]
-
-    deadline = time.monotonic() + timeout
-    while current() != state:
-        assert time.monotonic() < deadline, f"state stayed {current()}, wanted {state}"
-        time.sleep(0.1)
+    sink = RedisSpanSink(r, settings.queue.name)
+    previous = tracing.configure_sink(sink, process="producer test")
+    try:
+        yield sink
+    finally:
+        tracing.configure_sink(previous)
+        sink.close()

@@ -28,7 +28,7 @@ from consumer.batching import batch_from_jobs  # noqa: E402
 from consumer.model import ModelSpec, build_model  # noqa: E402
 from consumer.scoring import Scorer  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
-from tests.unit.test_attention import _dense_reference, _segments  # noqa: E402
+from tests.reference import dense_attention, packed_segments  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -42,7 +42,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_varlen_matches_a_dense_reference_and_the_sdpa_path(layout: str, kv_heads: int) -> None:
-    segments = _segments(LAYOUTS[layout])
+    segments = packed_segments(LAYOUTS[layout])
     total, heads, dim = segments[-1][1], 8, 64
     gen = torch.Generator(device=CUDA).manual_seed(3)
     q = torch.randn(total, heads, dim, generator=gen, device=CUDA, dtype=torch.bfloat16)
@@ -53,7 +53,7 @@ def test_varlen_matches_a_dense_reference_and_the_sdpa_path(layout: str, kv_head
     assert uses_varlen(q)
     attn = SdpaCoreAttention(config=None)
     out = attn(q, k, v, None, packed_seq_params=TreeBounds.from_segments(segments, max_position=1))
-    ref = _dense_reference(q.cpu(), k.cpu(), v.cpu(), segments)  # float64 on the CPU
+    ref = dense_attention(q.cpu(), k.cpu(), v.cpu(), segments)  # float64 on the CPU
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-2, rtol=2e-2)
     per_run = attn._forward_tree(q, k, v, segments)  # the SDPA path, one call per run
     torch.testing.assert_close(out.float(), per_run.float(), atol=2e-2, rtol=2e-2)

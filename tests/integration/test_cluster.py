@@ -24,7 +24,7 @@ from shared import keys
 from shared.queue_metrics import queue_figures
 from shared.redis_client import connect, connect_async
 from shared.settings import Settings
-from tests.integration.test_faults import assert_exactly_once, fast, job_set
+from tests.helpers import assert_exactly_once, fast, job_set
 from tests.processes import ValkeyCluster, ValkeySentinel
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import redis
 from shared.redis_client import connect
 from shared.redis_server import ensure_embedded, running_url, stop_embedded
 from shared.settings import RedisSettings
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.processes import run_cli
 
 pytestmark = pytest.mark.integration

@@ -25,56 +25,12 @@ import redis
 from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
-from tests.conftest import REPO
+from tests.helpers import REPO, K, assert_exactly_once, fast, job_set
 from tests.processes import Valkey, terminate
 
 pytestmark = pytest.mark.integration
 
 POISON = 777  # a token id that fault injection turns into a poison job
-K = 3  # max deliveries
-
-
-def fast(settings: Settings, **consumer: object) -> Settings:
-    """Settings with short timeouts so redelivery happens within seconds."""
-    base = {
-        "block_ms": 100,
-        "visibility_timeout_s": 2.0,
-        "heartbeat_interval_s": 0.3,
-        "job_timeout_s": 3.0,
-        "max_deliveries": K,
-        "batch_max_jobs": 4,
-        "token_budget": 64,
-    }
-    base.update(consumer)
-    return settings.model_copy(update={"consumer": settings.consumer.model_copy(update=base)})
-
-
-def job_set(n: int = 12, seed: int = 0) -> list[TeacherRequest]:
-    rng = np.random.default_rng(seed)
-    reqs = []
-    for i in range(n):
-        length = int(rng.integers(5, 40))
-        reqs.append(
-            TeacherRequest(
-                input_ids=rng.integers(0, 500, size=length),
-                top_k=3 if i % 2 else 0,
-                sample_n=2 if i % 3 == 0 else 0,
-                return_entropy=i % 4 == 0,
-                seed=i,
-                job_id=f"job-{seed}-{i:03d}",
-            )
-        )
-    return reqs
-
-
-def assert_exactly_once(client: TeacherClient, ids: list[str], *, dead: set[str] = frozenset()):
-    """Every job has one completion, nothing is pending, dead letters are exactly `dead`."""
-    r, q = client.r, client.queue
-    done = [f[b"job_id"].decode() for _, f in r.xrange(keys.done_stream(q))]
-    assert sorted(done) == sorted(ids), "each job completes exactly once"
-    assert r.xpending(keys.jobs_stream(q), client.settings.queue.group)["pending"] == 0
-    dead_ids = {f[b"job_id"].decode() for _, f in r.xrange(keys.dead_stream(q))}
-    assert dead_ids == set(dead)
 
 
 def assert_same_results(got, want) -> None:
@@ -93,14 +49,10 @@ def assert_same_results(got, want) -> None:
                 )
 
 
-def with_queue(settings: Settings, name: str) -> Settings:
-    return settings.model_copy(update={"queue": settings.queue.model_copy(update={"name": name})})
-
-
 @pytest.fixture
 def fault_free(settings, start_consumer):
     """Results of the job set from an undisturbed consumer, on a queue of their own."""
-    s = fast(with_queue(settings, f"ref-{uuid.uuid4().hex[:6]}"))
+    s = fast(settings.with_queue(f"ref-{uuid.uuid4().hex[:6]}"))
     proc = start_consumer(s)
     client = TeacherClient(s)
     reqs = job_set()

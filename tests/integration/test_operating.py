@@ -16,16 +16,13 @@ from producer import InvalidJob, JobFailed, TeacherClient, TeacherRequest
 from shared import exitcodes, keys
 from shared.errors import UnknownJob
 from shared.settings import to_env
+from tests.helpers import error_lines
 from tests.processes import run_cli as cli
 from tests.processes import run_with_terminal_stderr
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
 # -- unknown job ids ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
 from shared.streams import Streams
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.processes import Valkey, terminate
 
 pytestmark = pytest.mark.integration

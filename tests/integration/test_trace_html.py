@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from shared.settings import Settings
-from tests.integration.test_observe import JOB_PHASES, cli, producer_sink, traced_jobs
+from tests.processes import run_cli as cli
+from tests.trace_stand_in import JOB_PHASES, traced_jobs
 
 pytestmark = pytest.mark.integration
-__all__ = ["producer_sink"]  # the fixture, imported for these tests
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 INSTALL = "apt-get update && apt-get install -y --no-install-recommends chromium"

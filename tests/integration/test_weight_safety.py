@@ -17,9 +17,8 @@ from producer import TeacherClient, TeacherRequest
 from shared import exitcodes, keys
 from shared.errors import InvalidCheckpoint, WeightUpdateFailed
 from shared.weights import Served, start_choice
-from tests.conftest import wait_for_consumers
-from tests.integration.test_faults import fast
-from tests.integration.test_operating import cli, error_lines
+from tests.helpers import error_lines, fast, wait_for_consumers
+from tests.processes import run_cli as cli
 from tests.reference import hf_token_logprobs
 
 pytestmark = pytest.mark.integration

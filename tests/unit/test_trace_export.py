@@ -26,7 +26,7 @@ from producer.trace_export import (
 from shared import tracing
 from shared.trace_store import decode_spans, encode_span, job_subset
 from shared.tracing import SpanRecord, record, span
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 JOB_PHASES = ["submit", "queue_wait", "claim", "pack", "forward", "head", "store", "ack"]
 
