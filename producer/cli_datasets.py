@@ -82,7 +82,7 @@ def submit_dataset_cmd(
     settings = _settings(queue)
     client = TeacherClient(settings)
     try:
-        flags = locals()
+        flags = locals()  # the arguments so far: one flag per option, named as the option
         options = RequestOptions(**{name: flags[name] for name in OPTION_FIELDS})
         done = submit_dataset(
             client,
