@@ -601,8 +601,6 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
     hidden = scorer.hidden_states(batch)
     rows, dev = hidden.shape[0], scorer.device
     head_args = dict(
-        hidden_TH=hidden,
-        weight_VH=scorer.model.output_weight_shard(),
         shard=scorer.shard,
         tp_group=None,
         target_ids_TW=batch.input_ids_T[:, None].to(dev),
@@ -617,8 +615,12 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
     }
     for kind, kw in kinds.items():
         out[f"head_{kind}"] = _timed_passes(
-            lambda _seed, kw=kw, ha=head_args: (
-                tp_ops.chunked_head(**ha, **kw, fused=not args.no_fused),
+            lambda _seed, kw=kw, ha=head_args, h=hidden: (
+                tp_ops.chunked_head(
+                    hidden_TH=h,
+                    weight_VH=scorer.model.output_weight_shard(),
+                    call=tp_ops.HeadCall(**ha, **kw, fused=not args.no_fused),
+                ),
                 rows,
             )[1],
             seeds=[0, 1, 2],
@@ -1100,30 +1102,10 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
         rates[name] = {}
         for kind in ("label", "full"):
             c = by[f"(c) e2e {kind}"]
-            w = e2e["windows"][f"{name}_{kind}"]
             rates[name][kind] = c["tok_s"]
             target = TARGETS.get(model, {}).get(kind) if name == "uniform" else None
-            lines.append(
-                f"(c) {kind}: c/a {c['tok_s'] / a['tok_s']:.3f}"
-                + (f" (target >= {target})" if target else "")
-                + f", c/b {c['tok_s'] / b['tok_s']:.3f}, peak c/b "
-                f"{(c['peak_gib'] or 0) / (b['peak_gib'] or 1):.3f}, device idle between "
-                f"batches {w.get('idle_between_batches', float('nan')):.2%} "
-                f"({w.get('batches')} batches, {w['jobs']} jobs, "
-                f"{w.get('graphs_recorded', 0)} graphs recorded), end to end "
-                f"{w.get('idle_end_to_end', float('nan')):.2%} (target <= 2%)"
-            )
-            lines.append(f"(c) {kind}: {_gap_line(w)}")
-            if w.get("late_launches", {}).get("gaps"):
-                lines.append(
-                    f"(c) {kind}: late launches, host ms: {json.dumps(w['late_launches'])}"
-                )
-        for path in ("direct_label", "direct_full", "direct_full_eager"):
-            if "host_ms_per_batch" in d.get(path, {}):
-                lines.append(
-                    f"{path}: host {d[path]['host_ms_per_batch']} ms / device "
-                    f"{d[path]['device_ms_per_batch']} ms per batch ({d[path]['batches']} batches)"
-                )
+            lines += _e2e_lines(kind, c, a, b, e2e["windows"][f"{name}_{kind}"], target)
+        lines += _host_lines(d)
         if d.get("busy_full") is not None:
             lines.append(f"kernel busy inside one Scorer.score call (full): {d['busy_full']:.1%}")
     if "fixed" in rates:
@@ -1150,6 +1132,34 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
             )
         )
     lines.append(f"check vs full-vocab PyTorch: {json.dumps(direct['check'])}")
+    return lines
+
+
+def _host_lines(d: dict) -> list[str]:
+    """Host and device time per batch of the direct runs that measured them."""
+    return [
+        f"{path}: host {d[path]['host_ms_per_batch']} ms / device "
+        f"{d[path]['device_ms_per_batch']} ms per batch ({d[path]['batches']} batches)"
+        for path in ("direct_label", "direct_full", "direct_full_eager")
+        if "host_ms_per_batch" in d.get(path, {})
+    ]
+
+
+def _e2e_lines(kind: str, c: dict, a: dict, b: dict, w: dict, target: float | None) -> list[str]:
+    """The lines of one end-to-end run `c` (its window `w`) against the baselines a and b."""
+    lines = [
+        f"(c) {kind}: c/a {c['tok_s'] / a['tok_s']:.3f}"
+        + (f" (target >= {target})" if target else "")
+        + f", c/b {c['tok_s'] / b['tok_s']:.3f}, peak c/b "
+        f"{(c['peak_gib'] or 0) / (b['peak_gib'] or 1):.3f}, device idle between "
+        f"batches {w.get('idle_between_batches', float('nan')):.2%} "
+        f"({w.get('batches')} batches, {w['jobs']} jobs, "
+        f"{w.get('graphs_recorded', 0)} graphs recorded), end to end "
+        f"{w.get('idle_end_to_end', float('nan')):.2%} (target <= 2%)",
+        f"(c) {kind}: {_gap_line(w)}",
+    ]
+    if w.get("late_launches", {}).get("gaps"):
+        lines.append(f"(c) {kind}: late launches, host ms: {json.dumps(w['late_launches'])}")
     return lines
 
 

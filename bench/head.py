@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consumer.tp_ops import chunked_head, vocab_shard  # noqa: E402 - after the sys.path insert
+from consumer.tp_ops import HeadCall, chunked_head, vocab_shard  # noqa: E402 - after the sys.path insert
 
 TOP_K, SAMPLES = 64, 8
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -76,9 +76,7 @@ def _naive(inp: dict) -> dict:
 
 def _head(inp: dict, chunk_rows: int | None) -> dict:
     vocab = inp["weight_VH"].shape[0]
-    out = chunked_head(
-        hidden_TH=inp["hidden_TH"],
-        weight_VH=inp["weight_VH"],
+    call = HeadCall(
         shard=vocab_shard(rank=0, tp_size=1, padded_vocab=vocab, vocab_size=vocab),
         tp_group=None,
         target_ids_TW=inp["labels_TW"],
@@ -90,6 +88,7 @@ def _head(inp: dict, chunk_rows: int | None) -> dict:
         want_entropy=True,
         chunk_rows=chunk_rows,
     )
+    out = chunked_head(hidden_TH=inp["hidden_TH"], weight_VH=inp["weight_VH"], call=call)
     return {
         "labels": out.target_logprobs_TW,
         "topk_ids": out.topk_ids_TK,

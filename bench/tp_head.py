@@ -119,8 +119,7 @@ def make_inputs(rank: int, tp: int, padded_vocab: int, device: torch.device, arg
 def ours(inp: dict, args, comm: tp_ops.CommStats) -> dict:
     """The sharded head: each rank passes only its own shard."""
     full = args.outputs == "full"
-    out = tp_ops.head_from_logits(
-        logits_TV=inp["logits_TV"],
+    call = tp_ops.HeadCall(
         shard=inp["shard"],
         tp_group=dist.group.WORLD,
         target_ids_TW=inp["labels_TW"],
@@ -134,6 +133,7 @@ def ours(inp: dict, args, comm: tp_ops.CommStats) -> dict:
         comm=comm,
         fused=not args.no_fused,
     )
+    out = tp_ops.head_from_logits(logits_TV=inp["logits_TV"], call=call)
     result = {"labels": out.target_logprobs_TW}
     if full:
         result |= {
@@ -175,18 +175,20 @@ def naive_head(full_TV: torch.Tensor, inp: dict, args, probe_ids_TK=None) -> dic
         padded_vocab = full_TV.shape[1]
         samples = tp_ops.head_from_logits(
             logits_TV=full_TV,
-            shard=tp_ops.vocab_shard(
-                rank=0, tp_size=1, padded_vocab=padded_vocab, vocab_size=vocab
+            call=tp_ops.HeadCall(
+                shard=tp_ops.vocab_shard(
+                    rank=0, tp_size=1, padded_vocab=padded_vocab, vocab_size=vocab
+                ),
+                tp_group=None,
+                target_ids_TW=None,
+                inv_temperature_T=inp["inv_temperature_T"],
+                top_k=0,
+                sample_n=SAMPLES,
+                seed_T=inp["seed_T"],
+                position_T=inp["position_T"],
+                want_entropy=False,
+                fused=not args.no_fused,
             ),
-            tp_group=None,
-            target_ids_TW=None,
-            inv_temperature_T=inp["inv_temperature_T"],
-            top_k=0,
-            sample_n=SAMPLES,
-            seed_T=inp["seed_T"],
-            position_T=inp["position_T"],
-            want_entropy=False,
-            fused=not args.no_fused,
         )
         result |= {
             "topk_ids": top.indices,

@@ -40,7 +40,7 @@ def main() -> int:
 
     try:
         if rank == 0:  # before torch and megatron are imported: a refusal takes a second
-            from shared.redis_server import connect
+            from shared.redis_client import connect
 
             verdict = preflight(connect(settings.redis), settings)
             if verdict:

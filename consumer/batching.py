@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from consumer.prefix import PackedTree, pack_tree
-from shared.messages import Job
+from shared.messages import Job, RequestOptions
 
 
 def plan_microbatches(jobs: Sequence[Job], *, token_budget: int) -> list[list[Job]]:
@@ -44,6 +44,20 @@ def plan_microbatches(jobs: Sequence[Job], *, token_budget: int) -> list[list[Jo
     return groups
 
 
+def _option_columns() -> dict[str, tuple[str, torch.dtype]]:
+    """option -> (its BatchTensors column `<option>_J`, dtype): float64 for float options,
+    int64 for int and bool ones."""
+    columns = {}
+    for name, info in RequestOptions.model_fields.items():
+        dtype = torch.float64 if info.annotation is float else torch.int64
+        columns[name] = (f"{name}_J", dtype)
+    return columns
+
+
+OPTION_COLUMNS = _option_columns()
+"""The batch column of every request option (`shared.messages.RequestOptions`)."""
+
+
 @dataclass
 class BatchTensors:
     """One micro-batch as tensors; identical on every rank of a TP group.
@@ -55,11 +69,12 @@ class BatchTensors:
     lengths_J: torch.Tensor  # int64 [J]
     label_width_J: torch.Tensor  # int64 [J]
     labels_RW: torch.Tensor  # int64 [R, Wmax], zero-padded past each job's width
-    top_k_J: torch.Tensor  # int64 [J]
+    # One column per request option (OPTION_COLUMNS), in RequestOptions order.
     sample_n_J: torch.Tensor  # int64 [J]
-    entropy_J: torch.Tensor  # int64 [J] (0/1)
-    seed_J: torch.Tensor  # int64 [J]
+    top_k_J: torch.Tensor  # int64 [J]
+    return_entropy_J: torch.Tensor  # int64 [J] (0/1)
     temperature_J: torch.Tensor  # float64 [J]
+    seed_J: torch.Tensor  # int64 [J]
     group_J: torch.Tensor  # int64 [J], jobs sharing a prompt share an id >= 0; -1 alone
     prefix_len_J: torch.Tensor  # int64 [J], tokens of the shared prompt (0 alone)
 
@@ -120,11 +135,10 @@ def batch_from_jobs(jobs: Sequence[Job]) -> BatchTensors:
         lengths_J=ints([r.num_tokens for r in reqs]),
         label_width_J=ints([r.label_width for r in reqs]),
         labels_RW=torch.from_numpy(labels),
-        top_k_J=ints([r.top_k for r in reqs]),
-        sample_n_J=ints([r.sample_n for r in reqs]),
-        entropy_J=ints([int(r.return_entropy) for r in reqs]),
-        seed_J=ints([r.seed for r in reqs]),
-        temperature_J=torch.tensor([r.temperature for r in reqs], dtype=torch.float64),
+        **{
+            column: torch.tensor([getattr(r, name) for r in reqs], dtype=dtype)
+            for name, (column, dtype) in OPTION_COLUMNS.items()
+        },
         group_J=ints(group),
         prefix_len_J=ints(prefix),
     )
@@ -188,11 +202,7 @@ def receive_batch(
         lengths_J=torch.empty(j, dtype=torch.int64),
         label_width_J=torch.empty(j, dtype=torch.int64),
         labels_RW=torch.empty((t - j, w), dtype=torch.int64),
-        top_k_J=torch.empty(j, dtype=torch.int64),
-        sample_n_J=torch.empty(j, dtype=torch.int64),
-        entropy_J=torch.empty(j, dtype=torch.int64),
-        seed_J=torch.empty(j, dtype=torch.int64),
-        temperature_J=torch.empty(j, dtype=torch.float64),
+        **{column: torch.empty(j, dtype=dtype) for column, dtype in OPTION_COLUMNS.values()},
         group_J=torch.empty(j, dtype=torch.int64),
         prefix_len_J=torch.empty(j, dtype=torch.int64),
     )

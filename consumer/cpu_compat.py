@@ -68,60 +68,71 @@ def _patch_fp32_optimizer_step() -> None:
     #   scales them with a 'cuda' overflow buffer.
     # optimizer.py and layer_wise_optimizer.py import the two functions by name, so their module
     # globals are replaced too. fp16/bf16 (Float16OptimizerWithFloat16Params) stay CUDA-only.
+    from megatron.core.optimizer import clip_grads, layer_wise_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    moptimizer.FP32Optimizer.__init__ = _fp32_optimizer_init
+    for module in (clip_grads, moptimizer, layer_wise_optimizer):
+        module.get_grad_norm_fp32 = _get_grad_norm_fp32
+    for module in (clip_grads, moptimizer):
+        module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+
+def _fp32_optimizer_init(self, optimizer, config, init_state_fn) -> None:
+    """FP32Optimizer.__init__ with its unit loss scale on the host."""
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    if moptimizer.has_config_logger_enabled(config):
+        moptimizer.log_config_to_disk(config, locals(), prefix=type(self).__name__)
+    moptimizer.MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
+    self._scale = torch.ones(1, dtype=torch.float)
+    self.is_stub_optimizer = optimizer is None
+
+
+def _get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
+    """clip_grads.get_grad_norm_fp32 with its buffers on the host."""
     import math
 
     import torch.distributed as dist
-    from megatron.core.optimizer import clip_grads, layer_wise_optimizer
-    from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
-    def fp32_optimizer_init(self, optimizer, config, init_state_fn) -> None:
-        if moptimizer.has_config_logger_enabled(config):
-            moptimizer.log_config_to_disk(config, locals(), prefix=type(self).__name__)
-        moptimizer.MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
-        self._scale = torch.ones(1, dtype=torch.float)
-        self.is_stub_optimizer = optimizer is None
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    dp_group = None
+    for grad in grads_for_norm:
+        dp_group = get_data_parallel_group_if_dtensor(grad, dp_group)
+    grads = [to_local_if_dtensor(grad).detach().float() for grad in grads_for_norm]
+    norm_type = float(norm_type)
+    total = torch.zeros(1, dtype=torch.float)
+    if norm_type == math.inf:
+        op = dist.ReduceOp.MAX
+        for grad in grads:
+            total = torch.maximum(total, grad.abs().max())
+    else:
+        op = dist.ReduceOp.SUM
+        for grad in grads:
+            total += torch.linalg.vector_norm(grad, norm_type) ** norm_type
+    if dp_group is not None:
+        dist.all_reduce(total, op=op, group=dp_group)
+    dist.all_reduce(total, op=op, group=grad_stats_parallel_group)
+    if norm_type == math.inf:
+        return total.item()
+    return total.item() ** (1.0 / norm_type)
 
-    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
-        if isinstance(grads_for_norm, torch.Tensor):
-            grads_for_norm = [grads_for_norm]
-        dp_group = None
-        for grad in grads_for_norm:
-            dp_group = get_data_parallel_group_if_dtensor(grad, dp_group)
-        grads = [to_local_if_dtensor(grad).detach().float() for grad in grads_for_norm]
-        norm_type = float(norm_type)
-        total = torch.zeros(1, dtype=torch.float)
-        if norm_type == math.inf:
-            op = dist.ReduceOp.MAX
-            for grad in grads:
-                total = torch.maximum(total, grad.abs().max())
-        else:
-            op = dist.ReduceOp.SUM
-            for grad in grads:
-                total += torch.linalg.vector_norm(grad, norm_type) ** norm_type
-        if dp_group is not None:
-            dist.all_reduce(total, op=op, group=dp_group)
-        dist.all_reduce(total, op=op, group=grad_stats_parallel_group)
-        if norm_type == math.inf:
-            return total.item()
-        return total.item() ** (1.0 / norm_type)
 
-    def clip_grad_by_total_norm_fp32(
-        parameters, max_norm, total_norm, use_decoupled_grad: bool = False
-    ) -> None:
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff >= 1.0:
-            return
-        grad_attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        for param in parameters:
-            grad = getattr(param, grad_attr, None)
-            if grad is not None:
-                to_local_if_dtensor(grad).detach().mul_(clip_coeff)
+def _clip_grad_by_total_norm_fp32(
+    parameters, max_norm, total_norm, use_decoupled_grad: bool = False
+) -> None:
+    """clip_grads.clip_grad_by_total_norm_fp32 for host tensors."""
+    from megatron.core.utils import to_local_if_dtensor
 
-    moptimizer.FP32Optimizer.__init__ = fp32_optimizer_init
-    for module in (clip_grads, moptimizer, layer_wise_optimizer):
-        module.get_grad_norm_fp32 = get_grad_norm_fp32
-    for module in (clip_grads, moptimizer):
-        module.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    grad_attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    for param in parameters:
+        grad = getattr(param, grad_attr, None)
+        if grad is not None:
+            to_local_if_dtensor(grad).detach().mul_(clip_coeff)

@@ -24,6 +24,7 @@ from consumer.graphs import GraphedForward, eager_forward
 from consumer.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
 from consumer.prefix import PackedTree
+from consumer.transfer import to_device
 from shared.tracing import PhaseClock
 
 
@@ -83,7 +84,7 @@ class Scorer:
         hidden_PH = self.packed_hidden_states(tree)
         if not tree.shared:
             return hidden_PH.clone() if self.graphs is not None else hidden_PH
-        return hidden_PH[tp_ops.to_device(tree.row_of_T, hidden_PH.device)]
+        return hidden_PH[to_device(tree.row_of_T, hidden_PH.device)]
 
     def layout_of(self, batch: BatchTensors) -> PackedTree:
         """The packed layout of a batch (raises ValueError if its prompt sharing is
@@ -98,8 +99,8 @@ class Scorer:
         CUDA graphs this may be a graph's output buffer, overwritten by the next forward."""
         clock = clock or PhaseClock()
         with clock.phase("h2d"):
-            ids = tp_ops.to_device(tree.input_ids_P, self.device)
-            pos = tp_ops.to_device(tree.position_P, self.device)
+            ids = to_device(tree.input_ids_P, self.device)
+            pos = to_device(tree.position_P, self.device)
             bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
             if self.device.type == "cuda":  # before any graph capture reads it (graphs.py)
                 bounds.varlen = VarlenLayout.of(tree.segments, self.device)
@@ -142,9 +143,7 @@ class Scorer:
                 # over without waiting for the forward (no device sync before the head). The
                 # rows' hidden states are gathered into a tensor of this pass's own, which a
                 # CUDA graph replayed for the next batch does not overwrite.
-                pending = tp_ops.chunked_head(
-                    hidden_TH=hidden_PH[tp_ops.to_device(plan.packed_row_U, hidden_PH.device)],
-                    weight_VH=self.model.output_weight_shard(),
+                call = tp_ops.HeadCall(
                     shard=self.shard,
                     tp_group=self.layout.tp_group,
                     target_ids_TW=plan.targets_UW,
@@ -153,10 +152,15 @@ class Scorer:
                     sample_n=int(batch.sample_n_J[jobs].max()),
                     seed_T=plan.seed_U,
                     position_T=plan.position_U,
-                    want_entropy=bool(batch.entropy_J[jobs].any()),
+                    want_entropy=bool(batch.return_entropy_J[jobs].any()),
                     chunk_rows=self.chunk_rows,
-                    deferred=True,
                     fused=self.fused_head,
+                )
+                pending = tp_ops.chunked_head(
+                    hidden_TH=hidden_PH[to_device(plan.packed_row_U, hidden_PH.device)],
+                    weight_VH=self.model.output_weight_shard(),
+                    call=call,
+                    deferred=True,
                 )
                 passes.append(_Pass(jobs, plan, pending, _host(pending.out, wait=False)))
         done = None
@@ -213,7 +217,7 @@ class PendingScore:
 def _output_groups(batch: BatchTensors) -> list[list[int]]:
     groups: dict[tuple[bool, bool, bool], list[int]] = {}
     for j in range(batch.num_jobs):
-        key = (bool(batch.top_k_J[j]), bool(batch.sample_n_J[j]), bool(batch.entropy_J[j]))
+        key = (bool(batch.top_k_J[j]), bool(batch.sample_n_J[j]), bool(batch.return_entropy_J[j]))
         groups.setdefault(key, []).append(j)
     return list(groups.values())
 
@@ -268,6 +272,8 @@ def _head_rows(batch: BatchTensors, rows: _JobRows, jobs: list[int]) -> _HeadPla
     this is every job's rows in order, targets at column 0.
     """
     seeds, temps = batch.seed_J.tolist(), batch.temperature_J.tolist()
+    # By the rule submit checked the requests with (raises ValueError otherwise).
+    inv_temperature_J = tp_ops.validate_temperature(temperature_T=batch.temperature_J)
     num_packed = int(rows.packed_row_R.max()) + 1 if rows.packed_row_R.size else 0
     tables: dict[tuple[int, float], np.ndarray] = {}  # (seed, temp) -> packed row -> head row
     used = np.zeros(sum(int(rows.starts[j + 1] - rows.starts[j]) for j in jobs), np.int64)
@@ -297,7 +303,7 @@ def _head_rows(batch: BatchTensors, rows: _JobRows, jobs: list[int]) -> _HeadPla
         packed_row_U=torch.from_numpy(rows.packed_row_R[rep_U]),
         position_U=torch.from_numpy(rows.position_R[rep_U]),
         seed_U=batch.seed_J[torch.from_numpy(job_U)],
-        inv_temperature_U=(1.0 / batch.temperature_J)[torch.from_numpy(job_U)].float(),
+        inv_temperature_U=inv_temperature_J[torch.from_numpy(job_U)],
         targets_UW=torch.from_numpy(targets_UW),
         head_row=head_row,
         column=column,
@@ -336,7 +342,7 @@ def _split_per_job(
         if n:
             job["sampled_token_ids"] = samp_ids[rows, :n]
             job["sampled_logprobs"] = samp_lp[rows, :n]
-        if int(batch.entropy_J[j]):
+        if int(batch.return_entropy_J[j]):
             assert entropy is not None  # the pass computed it: one of its jobs asked
             job["entropy"] = entropy[rows]
         results.append(job)

@@ -253,7 +253,7 @@ def run(
         choice: weights.StartChoice | None = None
         verdict = ""
         if layout.is_leader:
-            from shared.redis_server import connect
+            from shared.redis_client import connect
 
             client = connect(settings.redis)
             verdict = preflight(client, settings)

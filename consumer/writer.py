@@ -29,7 +29,7 @@ from consumer.faults import FaultInjector
 from shared.deadletter import DeadLetter
 from shared.errors import NotReplicated
 from shared.messages import TeacherResult
-from shared.redis_server import await_replicas
+from shared.redis_client import await_replicas
 from shared.results import encode_record
 from shared.settings import RedisSettings
 from shared.storage import ObjectStore, TransientStorageError

@@ -28,7 +28,7 @@ from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
 from shared.memory import MemoryInfo
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
-from shared.redis_server import (
+from shared.redis_client import (
     await_replicas,
     connect,
     connect_async,

@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from producer import cli_datasets, cli_exporter, cli_observe
+from producer.cli_common import verb_settings
 from shared import exitcodes
-from shared.settings import Settings, load_settings
+from shared.settings import Settings
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -36,11 +37,6 @@ def _print_version(value: bool) -> None:
         except PackageNotFoundError:  # run from a source tree that was never installed
             typer.echo("teacherq (not installed)")
         raise typer.Exit()
-
-
-def _settings() -> Settings:
-    """The settings; a bad one raises SettingsError, which `main` reports (exit 78)."""
-    return load_settings()
 
 
 def _setup_logging(settings: Settings) -> None:
@@ -68,7 +64,7 @@ def demo(jobs: int = typer.Option(40, help="Number of random jobs to submit.")) 
     """Run the whole pipeline locally: embedded Redis, one consumer, a few dozen jobs."""
     from producer.demo import run_demo
 
-    settings = _settings()
+    settings = verb_settings()
     _setup_logging(
         settings.model_copy(update={"log": settings.log.model_copy(update={"level": "warning"})})
     )
@@ -99,7 +95,7 @@ def submit(
     from shared.errors import InvalidJob
     from shared.messages import check_limits, parse_request
 
-    settings = _settings()
+    settings = verb_settings()
     _setup_logging(settings)
     name = "<stdin>" if file == "-" else file
     client = _client(settings)
@@ -140,7 +136,7 @@ def results(
 ) -> None:
     """Print the results of jobs (not-finished jobs are reported as pending). Exit 1 if a job
     failed, 3 if one is still pending, 2 for an unknown job id."""
-    settings = _settings()
+    settings = verb_settings()
     _setup_logging(settings)
     client = _client(settings)
     found: list = (
@@ -182,7 +178,7 @@ def results(
 def cancel(job_ids: Annotated[list[str], typer.Argument(help="Job ids to cancel.")]) -> None:
     """Cancel jobs: not computed if not started; a result they already have is dropped. An
     unknown job id is an error (exit 2) and cancels nothing."""
-    settings = _settings()
+    settings = verb_settings()
     _setup_logging(settings)
     client = _client(settings)
     client.check_known(job_ids)  # raises UnknownJob before anything is cancelled
@@ -204,14 +200,10 @@ def replay(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
 ) -> None:
     """Move dead-lettered jobs back onto the jobs stream (dry-run first)."""
-    from producer.dead_letter_replay import parse_since
+    from producer.cli_common import parse_since
     from producer.dead_letter_replay import replay as do_replay
 
-    settings = _settings()
-    if queue:
-        settings = settings.model_copy(
-            update={"queue": settings.queue.model_copy(update={"name": queue})}
-        )
+    settings = verb_settings(queue)
     try:
         since_ts = parse_since(since) if since else None
     except ValueError as exc:
@@ -259,7 +251,7 @@ def update_weights(
     load it keeps its weights and the update fails (exit 1, reason and consumer named)."""
     if reset == (path is not None):
         raise typer.BadParameter("give a checkpoint PATH or --reset (not both)")
-    settings = _settings()
+    settings = verb_settings()
     _setup_logging(settings)
     if path is not None and check:
         from shared.checkpoint_probe import probe_checkpoint
@@ -294,7 +286,7 @@ def serve(
     from shared.log import configure_logging
     from shared.settings import GatewaySettings
 
-    settings = _settings()
+    settings = verb_settings()
     given = {"host": host, "port": port, "temperature": temperature}
     try:
         gateway = GatewaySettings.model_validate(
@@ -344,7 +336,7 @@ def redis_cmd(
     running server's URL without starting anything (exit 69 when none runs); `stop` stops it."""
     from shared.redis_server import ensure_embedded, running_url, stop_embedded
 
-    settings = _settings()
+    settings = verb_settings()
     home = Path(settings.redis.home)
     if settings.redis.url:
         err.print(
@@ -368,11 +360,6 @@ def redis_cmd(
         typer.echo("stopped" if stop_embedded(home) else "not running")
     else:
         raise typer.BadParameter(f"unknown action {action!r}; expected start, stop or url")
-
-
-from producer.cli_observe import register as _register_observe  # noqa: E402 - after app exists
-
-_register_observe(app)
 
 
 cli_datasets.register(app)

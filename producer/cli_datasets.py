@@ -12,23 +12,26 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from producer.cli_common import verb_settings
 from shared import exitcodes
-from shared.settings import Settings, load_settings
+from shared.messages import OPTION_FIELDS, RequestOptions
+from shared.settings import Settings
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
 def _settings(queue: str | None = None) -> Settings:
-    settings = load_settings()  # a SettingsError is reported by producer.cli_errors (exit 78)
-    if queue:
-        from producer.datasets import with_queue
-
-        settings = with_queue(settings, queue)
+    settings = verb_settings(queue)
     from shared.log import configure_logging
 
     configure_logging(level=settings.log.level, fmt=settings.log.format)
     return settings
+
+
+def _default(option: str) -> Any:
+    """The default of a request option (`RequestOptions`), for its flag."""
+    return RequestOptions.model_fields[option].default
 
 
 def _age(seconds: float | None) -> str:
@@ -46,11 +49,19 @@ def submit_dataset_cmd(
     input: Annotated[str, typer.Argument(help="JSONL or Parquet file: local path or s3:// URL.")],
     output: str = typer.Option(..., "--output", "-o", help="Directory or s3:// prefix."),
     queue: str = typer.Option(None, help="Queue (default: TEACHERQ_QUEUE__NAME)."),
-    top_k: int = typer.Option(0, help="Top-k per position, for rows without top_k."),
-    sample_n: int = typer.Option(0, help="Samples per position, for rows without sample_n."),
-    return_entropy: bool = typer.Option(False, "--return-entropy", help="Return entropies."),
-    temperature: float = typer.Option(1.0, help="Temperature, for rows without one."),
-    seed: int = typer.Option(0, help="Sampling seed, for rows without one."),
+    # One flag per request option (shared.messages.RequestOptions: defaults and meaning);
+    # tests/unit/test_messages.py checks that every option has its flag here.
+    top_k: int = typer.Option(_default("top_k"), help="Top-k per position, for rows without one."),
+    sample_n: int = typer.Option(
+        _default("sample_n"), help="Samples per position, for rows without sample_n."
+    ),
+    return_entropy: bool = typer.Option(
+        _default("return_entropy"), "--return-entropy", help="Return entropies."
+    ),
+    temperature: float = typer.Option(
+        _default("temperature"), help="Temperature, for rows without one."
+    ),
+    seed: int = typer.Option(_default("seed"), help="Sampling seed, for rows without one."),
     dataset_id: str = typer.Option(None, help="Dataset id (default: from input and options)."),
     max_pending_tokens: int = typer.Option(
         4_000_000, help="Backpressure: ingest waits while the queue holds more pending tokens."
@@ -66,18 +77,13 @@ def submit_dataset_cmd(
     """Ingest a dataset file into the queue and export its results to OUTPUT as Parquet;
     prints the dataset id. Idempotent: running it again resumes an unfinished dataset."""
     from producer.client import TeacherClient
-    from producer.datasets import DatasetError, RequestOptions, submit_dataset
+    from producer.datasets import DatasetError, submit_dataset
 
     settings = _settings(queue)
     client = TeacherClient(settings)
     try:
-        options = RequestOptions(
-            top_k=top_k,
-            sample_n=sample_n,
-            return_entropy=return_entropy,
-            temperature=temperature,
-            seed=seed,
-        )
+        flags = locals()  # the arguments so far: one flag per option, named as the option
+        options = RequestOptions(**{name: flags[name] for name in OPTION_FIELDS})
         done = submit_dataset(
             client,
             input=input,
@@ -120,7 +126,7 @@ def datasets_cmd(
 ) -> None:
     """List datasets with their progress (queued, done, failed) and an ETA."""
     from producer.datasets import list_datasets
-    from shared.redis_server import connect
+    from shared.redis_client import connect
 
     settings = _settings()
     snaps = list_datasets(connect(settings.redis), [queue] if queue else None)

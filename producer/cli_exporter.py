@@ -15,7 +15,8 @@ import redis
 import typer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from shared.settings import Settings, load_settings
+from producer.cli_common import verb_settings
+from shared.settings import Settings
 
 
 def queue_registry(settings: Settings, r: redis.Redis, queues: list[str]) -> CollectorRegistry:
@@ -52,9 +53,9 @@ def exporter(
     _dead_letters, _live_consumers, _oldest_pending_seconds) until SIGTERM or Ctrl-C. Run one
     per set of queues: each scrape reads Redis once per queue."""
     from shared.log import configure_logging, get_logger
-    from shared.redis_server import connect
+    from shared.redis_client import connect
 
-    settings = load_settings()
+    settings = verb_settings()
     configure_logging(level=settings.log.level, fmt=settings.log.format)
     queues = queue or [settings.queue.name]
     registry = queue_registry(settings, connect(settings.redis), queues)

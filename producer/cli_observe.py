@@ -14,9 +14,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from producer.dead_letter_replay import parse_since
+from producer.cli_common import since_option, verb_settings
 from shared import exitcodes
-from shared.settings import Settings, load_settings
+from shared.settings import Settings
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -24,21 +24,8 @@ err = Console(stderr=True, soft_wrap=True)
 EXIT_NOT_FOUND = exitcodes.NOT_DONE  # like `teacherq results` for unfinished jobs
 
 
-def parse_time(text: str, *, now: float | None = None) -> float:
-    """`parse_since` (producer/dead_letter_replay.py) for a typer option: a bad value is a
-    usage error."""
-    try:
-        return parse_since(text, now=now)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-def _settings() -> Settings:
-    return load_settings()  # a SettingsError is reported by producer.cli_errors (exit 78)
-
-
 def _redis(settings: Settings):
-    from shared.redis_server import connect
+    from shared.redis_client import connect
 
     return connect(settings.redis)
 
@@ -73,7 +60,7 @@ def trace(
     if fmt not in ("tree", "chrome", "json"):
         err.print(f"[red]unknown --format {fmt!r}; expected tree, chrome or json[/red]")
         raise typer.Exit(2)
-    settings = _settings()
+    settings = verb_settings()
     store = TraceStore(_redis(settings), settings.queue.name)
     if job_id is not None:
         view = load_job(store, job_id)
@@ -81,8 +68,8 @@ def trace(
         view = load_batch(store, batch)
     else:
         now = time.time()
-        lo = parse_time(since, now=now)
-        hi = parse_time(until, now=now) if until else now
+        lo = since_option(since, now=now)
+        hi = since_option(until, now=now) if until else now
         view = load_window(store, lo, hi, limit=limit)
     if view.empty:
         err.print(f"[yellow]no spans recorded for {view.title}[/yellow]")
@@ -124,7 +111,7 @@ def status(
     throughput: tables on a terminal, one JSON object otherwise (or with --json)."""
     from producer.status import render, snapshot
 
-    settings = _settings()
+    settings = verb_settings()
     r = _redis(settings)
     q = settings.queue
 

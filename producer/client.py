@@ -18,7 +18,7 @@ from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
 from shared.memory import MemoryInfo, read_memory
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
-from shared.redis_server import await_replicas, connect
+from shared.redis_client import await_replicas, connect
 from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore

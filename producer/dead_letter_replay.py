@@ -1,4 +1,4 @@
-"""`teacherq replay` from Python: replay a queue's dead letters, and read `--since`.
+"""`teacherq replay` from Python: replay a queue's dead letters.
 
 The dead-letter record and the atomic replay are shared/deadletter.py's (one path for every
 caller, datasets included); this module applies a TeacherClient's settings to it.
@@ -6,35 +6,12 @@ caller, datasets included); this module applies a TeacherClient's settings to it
 
 from __future__ import annotations
 
-import re
-import time
-from datetime import datetime
 from typing import Any
 
 from shared.deadletter import ReplayDecision
 from shared.deadletter import replay as replay_queue
 
-__all__ = ["ReplayDecision", "parse_since", "replay"]
-
-
-def parse_since(text: str, *, now: float | None = None) -> float:
-    """Unix seconds from an age such as '90s', '10m', '2h', '1d' (that long before now), unix
-    seconds, or an ISO 8601 time (local time unless it has an offset)."""
-    now = time.time() if now is None else now
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd])", text.strip())
-    if m:
-        scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-        return now - float(m.group(1)) * scale
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise ValueError(
-            f"{text!r}: expected an age like 30m / 2h / 1d, unix seconds, or an ISO 8601 time"
-        ) from None
+__all__ = ["ReplayDecision", "replay"]
 
 
 def replay(

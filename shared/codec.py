@@ -151,8 +151,44 @@ def decode_array(
     if not view.c_contiguous:
         raise CodecError(f"{name}: buffer is not contiguous")
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    total = len(view)
 
+    dtype_name, shape, header_size = _read_header(view, name)
+    itemsize = np.dtype(dtype_name).itemsize
+    count = math.prod(shape)
+    ndim = len(shape)
+    # numpy rejects shapes whose non-zero extents overflow int64 even when another extent is 0.
+    nonzero_extent = math.prod(d for d in shape if d != 0)
+    if nonzero_extent * itemsize > _MAX_BYTES:
+        raise CodecError(f"{name}: shape {shape} is too large to represent as an array")
+    if max_elements is not None and count > max_elements:
+        raise CodecError(
+            f"{name}: element count {count} (shape {shape}) exceeds max_elements={max_elements}"
+        )
+    expected_payload = count * itemsize
+    got_payload = len(view) - header_size
+    if got_payload != expected_payload:
+        what = "truncated" if got_payload < expected_payload else "trailing bytes"
+        raise CodecError(
+            f"{name}: payload length mismatch ({what}): shape {shape} of {dtype_name} needs "
+            f"{expected_payload} bytes, got {got_payload}"
+        )
+    if expect_dtype is not None and dtype_name != expect_dtype:
+        raise CodecError(f"{name}: dtype is {dtype_name}, expected {expect_dtype}")
+    if expect_ndim is not None and ndim != expect_ndim:
+        raise CodecError(f"{name}: ndim is {ndim} (shape {shape}), expected {expect_ndim}")
+
+    little = np.dtype(dtype_name).newbyteorder("<")
+    flat = np.frombuffer(view, dtype=little, count=count, offset=header_size)
+    if dtype_name == "bool" and count and int(flat.view(np.uint8).max()) > 1:
+        # numpy would happily build bools from byte 2..255, which then compare unequal to True.
+        raise CodecError(f"{name}: bool payload contains byte values other than 0 and 1")
+    # astype copies, which detaches the result from the caller's buffer and makes it writable.
+    return flat.astype(np.dtype(dtype_name), copy=True).reshape(shape)
+
+
+def _read_header(view: memoryview, name: str) -> tuple[str, tuple[int, ...], int]:
+    """(dtype name, shape, header size) of an encoded array; CodecError names what is wrong."""
+    total = len(view)
     if total < _FIXED_SIZE:
         raise CodecError(
             f"{name}: {total} bytes is too short for an array header (needs at least {_FIXED_SIZE})"
@@ -183,35 +219,4 @@ def decode_array(
             f"{name}: truncated header: a {ndim}-d shape needs {header_size} header bytes, "
             f"got {total}"
         )
-    shape = struct.unpack_from(f"<{ndim}Q", view, _FIXED_SIZE)
-
-    itemsize = np.dtype(dtype_name).itemsize
-    count = math.prod(shape)
-    # numpy rejects shapes whose non-zero extents overflow int64 even when another extent is 0.
-    nonzero_extent = math.prod(d for d in shape if d != 0)
-    if nonzero_extent * itemsize > _MAX_BYTES:
-        raise CodecError(f"{name}: shape {shape} is too large to represent as an array")
-    if max_elements is not None and count > max_elements:
-        raise CodecError(
-            f"{name}: element count {count} (shape {shape}) exceeds max_elements={max_elements}"
-        )
-    expected_payload = count * itemsize
-    got_payload = total - header_size
-    if got_payload != expected_payload:
-        what = "truncated" if got_payload < expected_payload else "trailing bytes"
-        raise CodecError(
-            f"{name}: payload length mismatch ({what}): shape {shape} of {dtype_name} needs "
-            f"{expected_payload} bytes, got {got_payload}"
-        )
-    if expect_dtype is not None and dtype_name != expect_dtype:
-        raise CodecError(f"{name}: dtype is {dtype_name}, expected {expect_dtype}")
-    if expect_ndim is not None and ndim != expect_ndim:
-        raise CodecError(f"{name}: ndim is {ndim} (shape {shape}), expected {expect_ndim}")
-
-    little = np.dtype(dtype_name).newbyteorder("<")
-    flat = np.frombuffer(view, dtype=little, count=count, offset=header_size)
-    if dtype_name == "bool" and count and int(flat.view(np.uint8).max()) > 1:
-        # numpy would happily build bools from byte 2..255, which then compare unequal to True.
-        raise CodecError(f"{name}: bool payload contains byte values other than 0 and 1")
-    # astype copies, which detaches the result from the caller's buffer and makes it writable.
-    return flat.astype(np.dtype(dtype_name), copy=True).reshape(shape)
+    return dtype_name, struct.unpack_from(f"<{ndim}Q", view, _FIXED_SIZE), header_size

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shared import keys
 from shared.messages import REQUIRED_FIELDS, entry_tokens
-from shared.redis_server import run_script
+from shared.redis_client import run_script
 
 DEAD_LETTER_VERSION = 1
 _ORIG = "orig:"

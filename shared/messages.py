@@ -65,13 +65,41 @@ class Limits:
         )
 
 
-class TeacherRequest(BaseModel):
-    """One sequence to score. Arrays may be given as lists or numpy arrays.
+def inverse_temperature(temperature: float) -> float:
+    """1 / temperature as the head multiplies by it (a float32 value), after checking the
+    temperature: finite, > 0, and not so small that its float32 reciprocal overflows. Raises
+    ValueError naming the value. Submit and the consumer both check requests with this rule
+    (through `RequestOptions`), and the consumer computes the head's reciprocals with it."""
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    with np.errstate(over="ignore"):
+        inv = np.float32(1.0 / temperature)
+    if not np.isfinite(inv):
+        raise ValueError(
+            f"temperature {temperature} is too small: 1/temperature overflows float32 "
+            f"(use a temperature >= {_MIN_TEMPERATURE:.3g})"
+        )
+    return float(inv)
 
-    A wrong field (an unknown name, a bad value) raises `InvalidJob` naming each problem, as
-    `TeacherClient.submit` does: one exception family whichever way a request is built."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+# Smallest float64 temperature whose float32 reciprocal is finite (named in the error above).
+_MIN_TEMPERATURE = 1.0 / float(np.finfo(np.float32).max)
+
+
+class RequestOptions(BaseModel):
+    """The scalar options of a request: the one list of them.
+
+    `TeacherRequest` is built on it (a request is its options plus its arrays and bookkeeping);
+    a dataset applies one to every row (a row's own value wins); the stream entry's `meta`, the
+    content job id (`content_job_id`) and the consumer's batch columns
+    (`consumer.batching.BatchTensors`, one `<option>_J` tensor per option) are derived from
+    its fields, in this order. A new option is a field here, with its validator; the guard test
+    `tests/unit/test_messages.py::test_every_option_travels` checks that it reaches the
+    consumer and enters the job id.
+
+    A wrong field (an unknown name, a bad value) raises `InvalidJob` naming each problem."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -79,10 +107,6 @@ class TeacherRequest(BaseModel):
         except ValidationError as exc:
             raise InvalidJob(_validation_message(exc)) from None
 
-    input_ids: Any
-    """Token ids [L], L >= 2."""
-    label_token_ids: Any | None = None
-    """Optional [L-1, W] token ids whose log-probs are wanted at each scored position."""
     sample_n: int = 0
     """Samples drawn from the teacher at each scored position."""
     top_k: int = 0
@@ -93,6 +117,51 @@ class TeacherRequest(BaseModel):
     """Applied once to every output: softmax(logits / temperature)."""
     seed: int = 0
     """Sampling seed; the same seed gives the same samples whatever the batch or TP size."""
+
+    @field_validator("sample_n", "top_k")
+    @classmethod
+    def _non_negative(cls, v: int, info: Any) -> int:
+        if v < 0:
+            raise ValueError(f"{info.field_name} must be >= 0, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        inverse_temperature(v)
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int) -> int:
+        if not 0 <= v < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {v}")
+        return v
+
+    def option_values(self) -> dict[str, Any]:
+        """The options by name, in OPTION_FIELDS order (what `meta` and the job id carry)."""
+        return {k: getattr(self, k) for k in OPTION_FIELDS}
+
+
+OPTION_FIELDS: tuple[str, ...] = tuple(RequestOptions.model_fields)
+"""The names of the request options, in declaration order."""
+REQUEST_ARRAYS = ("input_ids", "label_token_ids")
+"""The arrays of a request, each a field of its stream entry in the binary codec."""
+
+
+class TeacherRequest(RequestOptions):
+    """One sequence to score: its options (`RequestOptions`), its arrays and bookkeeping.
+    Arrays may be given as lists or numpy arrays.
+
+    A wrong field (an unknown name, a bad value) raises `InvalidJob` naming each problem, as
+    `TeacherClient.submit` does: one exception family whichever way a request is built."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+
+    input_ids: Any
+    """Token ids [L], L >= 2."""
+    label_token_ids: Any | None = None
+    """Optional [L-1, W] token ids whose log-probs are wanted at each scored position."""
     job_id: str | None = None
     """Idempotency key; unset: a content hash of the request and queue."""
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -136,27 +205,6 @@ class TeacherRequest(BaseModel):
         if arr.ndim != 2:
             raise ValueError(f"label_token_ids must be 2-D [L-1, W], got shape {list(arr.shape)}")
         return arr
-
-    @field_validator("sample_n", "top_k")
-    @classmethod
-    def _non_negative(cls, v: int, info: Any) -> int:
-        if v < 0:
-            raise ValueError(f"{info.field_name} must be >= 0, got {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"temperature must be a finite number > 0, got {v}")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int) -> int:
-        if not 0 <= v < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {v}")
-        return v
 
     def model_post_init(self, __context: Any) -> None:
         labels = self.label_token_ids
@@ -245,9 +293,6 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-_OPTION_FIELDS = ("sample_n", "top_k", "return_entropy", "temperature", "seed")
-
-
 def content_job_id(
     req: TeacherRequest, *, queue: str, teacher: str | None, generation: int = 0
 ) -> str:
@@ -258,7 +303,7 @@ def content_job_id(
     h.update(f"v{SCHEMA_VERSION}|{queue}|{teacher or ''}|".encode())
     if generation:
         h.update(f"g{int(generation)}|".encode())
-    h.update(json.dumps({k: getattr(req, k) for k in _OPTION_FIELDS}, sort_keys=True).encode())
+    h.update(json.dumps(req.option_values(), sort_keys=True).encode())
     h.update(encode_array(req.input_ids))
     if req.label_token_ids is not None:
         h.update(encode_array(req.label_token_ids))
@@ -269,9 +314,13 @@ def content_job_id(
 # Wire form of a job (stream entry fields)
 
 
+# What a job's `meta` carries besides its options (and `submitted_at`, popped on decode).
+_META_FIELDS = ("metadata", "min_model_generation", "trace", "prefix_id")
+
+
 def encode_job(req: TeacherRequest, *, job_id: str, submitted_at: float | None = None) -> dict:
     """Stream entry fields for a validated request."""
-    meta = {k: getattr(req, k) for k in _OPTION_FIELDS}
+    meta = req.option_values()
     meta.update(
         metadata=req.metadata,
         min_model_generation=req.min_model_generation,
@@ -363,9 +412,7 @@ def decode_job(entry_id: str, fields: dict[bytes, bytes], *, limits: Limits) -> 
     except CodecError as exc:
         raise InvalidJob(str(exc)) from None
     submitted_at = meta.pop("submitted_at", None)
-    unknown = (
-        set(meta) - set(_OPTION_FIELDS) - {"metadata", "min_model_generation", "trace", "prefix_id"}
-    )
+    unknown = set(meta) - set(OPTION_FIELDS) - set(_META_FIELDS)
     if unknown:
         raise InvalidJob(f"field 'meta' has unknown keys {sorted(unknown)}")
     req = parse_request({"input_ids": ids, "label_token_ids": labels, "job_id": job_id, **meta})
@@ -386,16 +433,32 @@ REQUIRED_FIELDS = ("v", "job_id", "meta", "input_ids")  # of a job's stream entr
 # ---------------------------------------------------------------------------------------------
 # Results
 
-RESULT_ARRAYS = (
-    "logprobs",
-    "label_logprobs",
-    "sampled_token_ids",
-    "sampled_logprobs",
-    "topk_token_ids",
-    "topk_logprobs",
-    "topk_rest_logprob",
-    "entropy",
+
+@dataclass(frozen=True)
+class ResultArray:
+    """One per-position result array: its name (a `TeacherResult` field, the record's
+    `a:<name>` field, the export's column), its rank and element kind."""
+
+    name: str
+    dims: int  # 1: [L-1]; 2: [L-1, X]
+    kind: str  # "float": float32 log-probs and entropies; "int": int64 token ids
+
+
+RESULT_TABLE = (
+    ResultArray("logprobs", 1, "float"),
+    ResultArray("label_logprobs", 2, "float"),
+    ResultArray("sampled_token_ids", 2, "int"),
+    ResultArray("sampled_logprobs", 2, "float"),
+    ResultArray("topk_token_ids", 2, "int"),
+    ResultArray("topk_logprobs", 2, "float"),
+    ResultArray("topk_rest_logprob", 1, "float"),
+    ResultArray("entropy", 1, "float"),
 )
+"""Every result array, in the order records, exports and responses list them. Storage
+(`shared/results.py`), the Parquet export (`producer/datasets/export.py`) and the gateway read
+it; a new output is a row here and a field of `TeacherResult`."""
+RESULT_ARRAYS: tuple[str, ...] = tuple(a.name for a in RESULT_TABLE)
+"""The names of RESULT_TABLE."""
 
 
 @dataclass

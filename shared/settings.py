@@ -414,6 +414,12 @@ class Settings(BaseSettings):
             object.__setattr__(self, "storage", derived)
         return self
 
+    def with_queue(self, name: str) -> Settings:
+        """These settings with `name` as the queue name (the same object when it already is)."""
+        if self.queue.name == name:
+            return self
+        return self.model_copy(update={"queue": self.queue.model_copy(update={"name": name})})
+
     @classmethod
     def settings_customise_sources(
         cls,

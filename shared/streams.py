@@ -19,7 +19,7 @@ import redis
 
 from shared import keys
 from shared.deadletter import DeadLetter
-from shared.redis_server import run_script
+from shared.redis_client import run_script
 
 # Reply shapes. redis-py types a reply as any of its RESP2 / RESP3, bytes / str forms;
 # teacherq's clients speak RESP2 and keep bytes (decode_responses=False), so these are the

@@ -6,20 +6,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from shared.settings import Settings, to_env
 from tests import isolation
+from tests.helpers import REPO, wait_for_consumers
 from tests.processes import Valkey, stop_all
 from tests.timing import scaled
 
-REPO = Path(__file__).resolve().parents[1]
 OUTSIDE_READS = isolation.install()
 DEFAULT_TEST_TIMEOUT_S = 600  # pytest-timeout's limit for a test that sets none, before scaling
 
@@ -170,34 +170,17 @@ def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
     stop_all(procs)
 
 
-def wait_for_consumers(
-    settings: Settings, *, count: int, proc=None, timeout: float = scaled(120)
-) -> None:
-    """Block until `count` consumers of the queue report ready (poll: start-up only)."""
-    from producer.client import TeacherClient
+@pytest.fixture
+def producer_sink(settings: Settings, r: redis.Redis) -> Iterator[Any]:
+    """This test process records its spans (the producer's `submit`) to Redis (a
+    `RedisSpanSink`)."""
+    from shared import tracing
+    from shared.trace_store import RedisSpanSink
 
-    client = TeacherClient(settings)
-    deadline = time.monotonic() + timeout
-    while True:
-        ready = [c for c in client.consumers().values() if c.get("state") in ("ready", "busy")]
-        if len(ready) >= count:
-            return
-        if proc is not None and proc.poll() is not None:
-            log = proc.log_path.read_text()[-3000:]
-            raise RuntimeError(f"consumer exited with {proc.returncode}:\n{log}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(ready)} of {count} consumers ready")
-        time.sleep(0.1)
-
-
-def wait_consumer_state(client, state: str, timeout: float = scaled(30)) -> None:
-    """Block until the queue's one consumer reports `state` in its heartbeat (poll)."""
-
-    def current() -> str:
-        [rec] = client.consumers().values()
-        return rec["state"]
-
-    deadline = time.monotonic() + timeout
-    while current() != state:
-        assert time.monotonic() < deadline, f"state stayed {current()}, wanted {state}"
-        time.sleep(0.1)
+    sink = RedisSpanSink(r, settings.queue.name)
+    previous = tracing.configure_sink(sink, process="producer test")
+    try:
+        yield sink
+    finally:
+        tracing.configure_sink(previous)
+        sink.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -51,3 +52,28 @@ def hf_token_logprobs(path, input_ids) -> np.ndarray:
     """[L-1] log-prob transformers gives each next token of `input_ids`."""
     ids = np.asarray(input_ids)
     return hf_full_log_softmax(path, ids)[np.arange(len(ids) - 1), ids[1:]]
+
+
+def dense_attention(q, k, v, segments) -> torch.Tensor:
+    """[T, heads * dim]: row t sees its segment's context rows and its segment's rows <= t."""
+    total = q.shape[0]
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    for start, end, c0, c1 in segments:
+        allowed[start:end, c0:c1] = True
+        allowed[start:end, start:end] = torch.ones(end - start, end - start).tril().bool()
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), k) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v).reshape(total, -1)
+
+
+def packed_segments(spec: list[tuple[int, int | None]]) -> tuple[tuple[int, int, int, int], ...]:
+    """(length, index of the context segment or None) -> packed segments."""
+    out: list[tuple[int, int, int, int]] = []
+    at = 0
+    for n, ctx in spec:
+        c0, c1 = (at, at) if ctx is None else out[ctx][:2]
+        out.append((at, at + n, c0, c1))
+        at += n
+    return tuple(out)

@@ -14,16 +14,19 @@ lets every rank merge the same result. Working memory is O(chunk rows x V + T x 
 the full [T, V] logits never need to exist.
 
 Modules, in the order a call passes through them (docs/architecture.md has the picture):
-    layout         VocabShard (from consumer.head_common), vocab_shard, HeadOutputs, CommStats
+    layout         VocabShard (from consumer.head_common), vocab_shard, HeadCall (the
+                   parameters of a call), HeadOutputs, CommStats
     temperature    validate_temperature
     random_source  the counter-based random source of the samples (the definition)
-    validation     the checks of a call, to_device
+    validation     the checks of a call
     local          the reference local reduction of a row chunk (sampling_exp, samples, top-k)
     exchange       one all_gather of every rank's reduction, and the merge
     drivers        head_from_logits, chunked_head: pick the path (fused kernels or reference)
 
-Pure tensor math: imports only torch, torch.distributed, the standard library, the shared
-leaf `consumer.head_common` and (in `drivers` only) the kernels' loader `consumer.kernels`.
+Pure tensor math: imports only torch, torch.distributed, the standard library, the leaves
+`consumer.head_common` and `consumer.transfer` (`to_device`), (in `temperature` only) the
+requests' temperature rule `shared.messages.inverse_temperature`, and (in `drivers` only) the
+kernels' loader `consumer.kernels`.
 This file re-exports the public API; the modules' other names are internal to the package.
 """
 
@@ -36,16 +39,20 @@ from consumer.tp_ops.drivers import (
     chunked_head,
     head_from_logits,
 )
-from consumer.tp_ops.layout import CommStats, HeadOutputs, vocab_shard
+from consumer.tp_ops.layout import CommStats, HeadCall, HeadOutputs, vocab_shard
 from consumer.tp_ops.local import sampling_exp
 from consumer.tp_ops.random_source import sampling_hash, stream_keys, uniform_from_hash
 from consumer.tp_ops.temperature import validate_temperature
-from consumer.tp_ops.validation import to_device
+
+# Re-exported for the forward modules that still import it from here; it lives in the leaf
+# consumer.transfer.
+from consumer.transfer import to_device
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "SAMPLE_BLOCK",
     "CommStats",
+    "HeadCall",
     "HeadOutputs",
     "LocalReduction",
     "PendingHead",

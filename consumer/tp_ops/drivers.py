@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from consumer import kernels
-from consumer.head_common import LocalReduction, VocabShard
+from consumer.head_common import LocalReduction
 from consumer.tp_ops.exchange import exchange
-from consumer.tp_ops.layout import CommStats, HeadOutputs, HeadRequest
+from consumer.tp_ops.layout import HeadCall, HeadOutputs, HeadRequest
 from consumer.tp_ops.local import local_reduce
 from consumer.tp_ops.random_source import stream_keys
-from consumer.tp_ops.validation import check_inputs, group_layout, to_device
+from consumer.tp_ops.validation import check_inputs
+from consumer.transfer import to_device
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "PendingHead", "chunked_head", "head_from_logits"]
 
@@ -70,45 +71,20 @@ class PendingHead:
 
 
 @dataclass(frozen=True)
-class _HeadCall:
-    """The inputs of one head call, as `head_from_logits` / `chunked_head` received them."""
+class _Logits:
+    """Where a call's logits come from: `chunk(r0, r1)` gives rows r0..r1 of this rank's
+    [rows, width] logits on `device`."""
 
     rows: int
     width: int
     device: torch.device
-    logits_chunk: Callable[[int, int], torch.Tensor]
-    shard: VocabShard
-    tp_group: dist.ProcessGroup | None
-    target_ids_TW: torch.Tensor | None
-    inv_temperature_T: torch.Tensor
-    top_k: int
-    sample_n: int
-    seed_T: torch.Tensor | None
-    position_T: torch.Tensor | None
-    want_entropy: bool
-    chunk_rows: int | None
-    comm: CommStats | None
-    fused: bool
+    chunk: Callable[[int, int], torch.Tensor]
 
 
-def _run_chunks(call: _HeadCall, *, deferred: bool) -> PendingHead:
+def _run_chunks(call: HeadCall, logits: _Logits, *, deferred: bool) -> PendingHead:
     """Check, reduce, exchange; settled at once unless `deferred` (and TP = 1)."""
-    rows, width, device, shard = call.rows, call.width, call.device, call.shard
-    rank, tp_size = group_layout(call.tp_group)
-    check_inputs(
-        rows=rows,
-        width=width,
-        device=device,
-        shard=shard,
-        rank=rank,
-        tp_size=tp_size,
-        target_ids_TW=call.target_ids_TW,
-        inv_temperature_T=call.inv_temperature_T,
-        top_k=call.top_k,
-        sample_n=call.sample_n,
-        seed_T=call.seed_T,
-        position_T=call.position_T,
-    )
+    rows, width, device, shard = logits.rows, logits.width, logits.device, call.shard
+    rank, tp_size = check_inputs(call, rows=rows, width=width, device=device)
     inv_temperature_T = to_device(call.inv_temperature_T, device)
     target_ids_TW, seed_T, position_T = (
         None if t is None else to_device(t, device)
@@ -146,7 +122,7 @@ def _run_chunks(call: _HeadCall, *, deferred: bool) -> PendingHead:
     local = None
     if fused is not None:
         local = fused.local_reduce(
-            logits_chunk=call.logits_chunk,
+            logits_chunk=logits.chunk,
             rows=rows,
             chunk_rows=step,
             shard=shard,
@@ -160,7 +136,7 @@ def _run_chunks(call: _HeadCall, *, deferred: bool) -> PendingHead:
         chunks = [
             local_reduce(
                 req=req,
-                logits_RV=call.logits_chunk(r0, min(rows, r0 + step)),
+                logits_RV=logits.chunk(r0, min(rows, r0 + step)),
                 target_ids_RW=target_ids_TW[r0 : r0 + step],
                 inv_temperature_R=inv_temperature_T[r0 : r0 + step],
                 keys_RN=None if keys_TN is None else keys_TN[r0 : r0 + step],
@@ -175,7 +151,8 @@ def _run_chunks(call: _HeadCall, *, deferred: bool) -> PendingHead:
         over_T = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def on_reference_path() -> HeadOutputs:
-        return _run_chunks(dataclasses.replace(call, fused=False), deferred=False).result()
+        reference = dataclasses.replace(call, fused=False)
+        return _run_chunks(reference, logits, deferred=False).result()
 
     # Both checks in one host read. A row the kernels could not finish (a huge tie at the top-k
     # threshold) may sit on any rank, so the ranks agree before all of them redo the call on the
@@ -218,39 +195,12 @@ def _settled(
 
 
 @torch.no_grad()
-def head_from_logits(
-    *,
-    logits_TV: torch.Tensor,
-    shard: VocabShard,
-    tp_group: dist.ProcessGroup | None,
-    target_ids_TW: torch.Tensor | None,
-    inv_temperature_T: torch.Tensor,
-    top_k: int,
-    sample_n: int,
-    seed_T: torch.Tensor | None,
-    position_T: torch.Tensor | None,
-    want_entropy: bool,
-    chunk_rows: int | None = None,
-    comm: CommStats | None = None,
-    fused: bool = True,
-) -> HeadOutputs:
+def head_from_logits(*, logits_TV: torch.Tensor, call: HeadCall) -> HeadOutputs:
     """Teacher outputs from this rank's logits shard `logits_TV` ([T, shard.size], any float dtype).
 
-    Every rank of `tp_group` (None: TP = 1) must call this with the same rows and arguments except
-    its own logits. Rows are processed in chunks of `chunk_rows` (default: about
-    DEFAULT_CHUNK_ELEMENTS / V), each upcast to fp32, so extra memory is O(chunk_rows x V).
-
-    target_ids_TW: int64 [T, W] global ids in [0, vocab_size), or None for W = 0.
-    inv_temperature_T: fp32 [T], 1 / temperature per row (see validate_temperature).
-    top_k: K <= vocab_size; the top-K ids by descending probability, ties to the lowest id.
-    sample_n: N; seed_T, position_T (int64 [T]) key the samples (see sampling_hash).
-    want_entropy: also return the entropy of the tempered distribution.
-    comm: optional CommStats that records the collectives.
-    fused: run the local reduction through the fused kernels where they load for the logits'
-    device (CUDA with Triton: `consumer.kernels.load`); False: the reference path everywhere.
-    The per-row inputs may live on the logits' device or on the CPU. On the CPU their values
-    are checked without a device sync and then copied over asynchronously, so a caller that
-    keeps them on the host lets the device run ahead.
+    Every rank of `call.tp_group` must call this with the same rows and `call` except its own
+    logits and shard (`HeadCall` says what each field must be). Rows are processed in chunks of
+    `call.chunk_rows`, each upcast to fp32, so extra memory is O(chunk_rows x V).
 
     Raises ValueError on inconsistent arguments, and on rows whose logits hold NaN or +inf.
     """
@@ -258,25 +208,13 @@ def head_from_logits(
         raise ValueError(
             f"logits_TV must be a 2-D float tensor, got {logits_TV.dtype} {tuple(logits_TV.shape)}"
         )
-    call = _HeadCall(
+    logits = _Logits(
         rows=logits_TV.shape[0],
         width=logits_TV.shape[1],
         device=logits_TV.device,
-        logits_chunk=lambda r0, r1: logits_TV[r0:r1],
-        shard=shard,
-        tp_group=tp_group,
-        target_ids_TW=target_ids_TW,
-        inv_temperature_T=inv_temperature_T,
-        top_k=top_k,
-        sample_n=sample_n,
-        seed_T=seed_T,
-        position_T=position_T,
-        want_entropy=want_entropy,
-        chunk_rows=chunk_rows,
-        comm=comm,
-        fused=fused,
+        chunk=lambda r0, r1: logits_TV[r0:r1],
     )
-    return _run_chunks(call, deferred=False).result()
+    return _run_chunks(call, logits, deferred=False).result()
 
 
 @overload
@@ -284,61 +222,20 @@ def chunked_head(
     *,
     hidden_TH: torch.Tensor,
     weight_VH: torch.Tensor,
-    shard: VocabShard,
-    tp_group: dist.ProcessGroup | None,
-    target_ids_TW: torch.Tensor | None,
-    inv_temperature_T: torch.Tensor,
-    top_k: int,
-    sample_n: int,
-    seed_T: torch.Tensor | None,
-    position_T: torch.Tensor | None,
-    want_entropy: bool,
-    chunk_rows: int | None = None,
-    comm: CommStats | None = None,
+    call: HeadCall,
     deferred: Literal[False] = False,
-    fused: bool = True,
 ) -> HeadOutputs: ...
 
 
 @overload
 def chunked_head(
-    *,
-    hidden_TH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    shard: VocabShard,
-    tp_group: dist.ProcessGroup | None,
-    target_ids_TW: torch.Tensor | None,
-    inv_temperature_T: torch.Tensor,
-    top_k: int,
-    sample_n: int,
-    seed_T: torch.Tensor | None,
-    position_T: torch.Tensor | None,
-    want_entropy: bool,
-    chunk_rows: int | None = None,
-    comm: CommStats | None = None,
-    deferred: Literal[True],
-    fused: bool = True,
+    *, hidden_TH: torch.Tensor, weight_VH: torch.Tensor, call: HeadCall, deferred: Literal[True]
 ) -> PendingHead: ...
 
 
 @torch.no_grad()
 def chunked_head(
-    *,
-    hidden_TH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    shard: VocabShard,
-    tp_group: dist.ProcessGroup | None,
-    target_ids_TW: torch.Tensor | None,
-    inv_temperature_T: torch.Tensor,
-    top_k: int,
-    sample_n: int,
-    seed_T: torch.Tensor | None,
-    position_T: torch.Tensor | None,
-    want_entropy: bool,
-    chunk_rows: int | None = None,
-    comm: CommStats | None = None,
-    deferred: bool = False,
-    fused: bool = True,
+    *, hidden_TH: torch.Tensor, weight_VH: torch.Tensor, call: HeadCall, deferred: bool = False
 ) -> HeadOutputs | PendingHead:
     """Like head_from_logits, producing each chunk's logits as hidden_chunk @ weight_VH.T.
 
@@ -349,7 +246,6 @@ def chunked_head(
     deferred: return a PendingHead as soon as the work is queued on the device, without
     waiting for it (at TP = 1; with a TP group the call completes first, as its checks need
     the group). The caller may queue more work before `result()`.
-    fused: as in head_from_logits.
     """
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(
@@ -364,23 +260,11 @@ def chunked_head(
     if hidden_TH.device != weight_VH.device:
         raise ValueError(f"hidden_TH is on {hidden_TH.device}, weight_VH on {weight_VH.device}")
     weight_HV = weight_VH.t()
-    call = _HeadCall(
+    logits = _Logits(
         rows=hidden_TH.shape[0],
         width=weight_VH.shape[0],
         device=hidden_TH.device,
-        logits_chunk=lambda r0, r1: hidden_TH[r0:r1] @ weight_HV,
-        shard=shard,
-        tp_group=tp_group,
-        target_ids_TW=target_ids_TW,
-        inv_temperature_T=inv_temperature_T,
-        top_k=top_k,
-        sample_n=sample_n,
-        seed_T=seed_T,
-        position_T=position_T,
-        want_entropy=want_entropy,
-        chunk_rows=chunk_rows,
-        comm=comm,
-        fused=fused,
+        chunk=lambda r0, r1: hidden_TH[r0:r1] @ weight_HV,
     )
-    pending = _run_chunks(call, deferred=deferred)
+    pending = _run_chunks(call, logits, deferred=deferred)
     return pending if deferred else pending.result()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from consumer.head_common import SENTINEL_ID, VocabShard
 
-__all__ = ["CommStats", "HeadOutputs", "HeadRequest", "vocab_shard"]
+__all__ = ["CommStats", "HeadCall", "HeadOutputs", "HeadRequest", "vocab_shard"]
 
 
 def vocab_shard(*, rank: int, tp_size: int, padded_vocab: int, vocab_size: int) -> VocabShard:
@@ -86,6 +86,44 @@ class HeadOutputs:
             sample_logprobs_TN=fn(self.sample_logprobs_TN),
             entropy_T=None if self.entropy_T is None else fn(self.entropy_T),
         )
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """What a head call (`head_from_logits`, `chunked_head`) computes from the logits: the one
+    list of the head's parameters. Every rank of `tp_group` passes the same values except its
+    own `shard`. `validation.check_inputs` checks them, on the host, before any collective.
+
+    The per-row tensors may live on the logits' device or on the CPU. On the CPU their values
+    are checked without a device sync and then copied over asynchronously, so a caller that
+    keeps them on the host lets the device run ahead.
+    """
+
+    shard: VocabShard
+    """This rank's columns of the padded vocabulary (`vocab_shard`)."""
+    tp_group: dist.ProcessGroup | None
+    """The tensor-parallel group; None for TP = 1."""
+    inv_temperature_T: torch.Tensor
+    """fp32 [T], 1 / temperature per row (`validate_temperature`)."""
+    target_ids_TW: torch.Tensor | None = None
+    """int64 [T, W] global ids in [0, vocab_size) whose log-probs are wanted; None: W = 0."""
+    top_k: int = 0
+    """K <= vocab_size: the top-K ids by descending probability, ties to the lowest id."""
+    sample_n: int = 0
+    """N samples per row, keyed by `seed_T` and `position_T` (see `sampling_hash`)."""
+    seed_T: torch.Tensor | None = None
+    """int64 [T], required when sample_n > 0."""
+    position_T: torch.Tensor | None = None
+    """int64 [T], required when sample_n > 0."""
+    want_entropy: bool = False
+    """Also return the entropy of the tempered distribution."""
+    chunk_rows: int | None = None
+    """Rows per chunk (each upcast to fp32); None: about DEFAULT_CHUNK_ELEMENTS / V."""
+    comm: CommStats | None = None
+    """Records the collectives, if given."""
+    fused: bool = True
+    """Run the local reduction through the fused kernels where they load for the logits'
+    device (CUDA with Triton: `consumer.kernels.load`); False: the reference path everywhere."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Per-row temperatures, checked and turned into the reciprocals the head multiplies by.
 
+The rule is the requests' own (`shared.messages.inverse_temperature`: finite, > 0, and a
+finite float32 reciprocal), so the head accepts exactly the temperatures submit accepted.
+
 Shape legend: T  rows (scored positions) of the batch.
 """
 
@@ -8,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from shared.messages import inverse_temperature
 
 __all__ = ["validate_temperature"]
 
@@ -19,18 +24,10 @@ def validate_temperature(*, temperature_T: torch.Tensor | Sequence[float] | floa
     so small that its reciprocal overflows fp32.
     """
     temps = torch.as_tensor(temperature_T, dtype=torch.float64).detach().cpu().reshape(-1)
-    bad = ~torch.isfinite(temps) | (temps <= 0)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"temperature must be a finite number > 0 (not <= 0, NaN or inf); row {row} has "
-            f"{float(temps[row])}"
-        )
-    inv = (1.0 / temps).to(torch.float32)
-    if not bool(torch.isfinite(inv).all()):
-        row = int((~torch.isfinite(inv)).nonzero()[0, 0])
-        raise ValueError(
-            f"temperature {float(temps[row])} at row {row} is too small: 1/temperature "
-            "overflows float32"
-        )
-    return inv
+    inv = []
+    for row, t in enumerate(temps.tolist()):
+        try:
+            inv.append(inverse_temperature(t))
+        except ValueError as exc:
+            raise ValueError(f"row {row}: {exc}") from None
+    return torch.tensor(inv, dtype=torch.float32)

@@ -1,5 +1,5 @@
-"""The arguments of a head call, checked on the host before any collective starts, and the
-per-row inputs moved to the logits' device without a sync.
+"""The arguments of a head call (`HeadCall`), checked on the host before any collective
+starts.
 
 Shape legend (suffixes on tensor names):
     T  rows (scored positions) of the batch
@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from consumer.head_common import SENTINEL_ID, VocabShard
+from consumer.tp_ops.layout import HeadCall
 
-__all__ = ["check_inputs", "group_layout", "to_device"]
+__all__ = ["check_inputs", "group_layout"]
 
 
 def group_layout(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -23,23 +24,30 @@ def group_layout(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def check_inputs(
-    *,
-    rows: int,
-    width: int,
-    device: torch.device,
-    shard: VocabShard,
-    rank: int,
-    tp_size: int,
-    target_ids_TW: torch.Tensor | None,
-    inv_temperature_T: torch.Tensor,
-    top_k: int,
-    sample_n: int,
-    seed_T: torch.Tensor | None,
-    position_T: torch.Tensor | None,
-) -> None:
-    """Raise ValueError naming the first argument of a head call that is inconsistent (see
-    `head_from_logits` for what each must be)."""
+def check_inputs(call: HeadCall, *, rows: int, width: int, device: torch.device) -> tuple[int, int]:
+    """Raise ValueError naming the first field of `call` that is inconsistent with the others
+    or with the logits (`rows` x `width` on `device`); see `HeadCall` for what each must be.
+    Returns this rank's (rank, size) in the call's group."""
+    rank, tp_size = group_layout(call.tp_group)
+    _check_shard(call.shard, width=width, rank=rank, tp_size=tp_size)
+    _check_counts(call)
+    _check_inv_temperature(call.inv_temperature_T, rows=rows, device=device)
+    if call.target_ids_TW is not None:
+        _check_targets(call.target_ids_TW, rows=rows, device=device, vocab=call.shard.vocab_size)
+    if call.sample_n:
+        for name, ten in (("seed_T", call.seed_T), ("position_T", call.position_T)):
+            if ten is None:
+                raise ValueError(f"{name} is required when sample_n > 0")
+            if ten.dtype != torch.int64 or tuple(ten.shape) != (rows,):
+                raise ValueError(
+                    f"{name} must be an int64 tensor of shape [{rows}], got {ten.dtype} "
+                    f"{tuple(ten.shape)}"
+                )
+            _check_device(name, ten, device)
+    return rank, tp_size
+
+
+def _check_shard(shard: VocabShard, *, width: int, rank: int, tp_size: int) -> None:
     if width != shard.size:
         raise ValueError(f"logits width {width} != shard.size {shard.size}")
     if shard.start != rank * shard.size or shard.vocab_size > shard.size * tp_size:
@@ -49,13 +57,20 @@ def check_inputs(
         )
     if shard.size * tp_size >= SENTINEL_ID:
         raise ValueError("padded vocabulary does not fit the 31-bit id exchange")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-    if top_k > shard.vocab_size:
-        raise ValueError(f"top_k {top_k} exceeds the vocabulary size {shard.vocab_size}")
-    if isinstance(sample_n, bool) or not isinstance(sample_n, int) or sample_n < 0:
-        raise ValueError(f"sample_n must be an int >= 0, got {sample_n!r}")
 
+
+def _check_counts(call: HeadCall) -> None:
+    for name in ("top_k", "sample_n"):
+        value = getattr(call, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if name == "top_k" and value > call.shard.vocab_size:
+            raise ValueError(f"top_k {value} exceeds the vocabulary size {call.shard.vocab_size}")
+
+
+def _check_inv_temperature(
+    inv_temperature_T: torch.Tensor, *, rows: int, device: torch.device
+) -> None:
     if not inv_temperature_T.is_floating_point() or tuple(inv_temperature_T.shape) != (rows,):
         raise ValueError(
             f"inv_temperature_T must be a float tensor of shape [{rows}], got "
@@ -69,45 +84,26 @@ def check_inputs(
             "and > 0 (use validate_temperature)"
         )
 
-    if target_ids_TW is not None:
-        if target_ids_TW.dtype != torch.int64 or target_ids_TW.dim() != 2:
-            raise ValueError(
-                f"target_ids_TW must be an int64 [T, W] tensor, got {target_ids_TW.dtype} "
-                f"{tuple(target_ids_TW.shape)}"
-            )
-        if target_ids_TW.shape[0] != rows:
-            raise ValueError(f"target_ids_TW has {target_ids_TW.shape[0]} rows, logits {rows}")
-        _check_device("target_ids_TW", target_ids_TW, device)
-        if target_ids_TW.numel():
-            lo, hi = int(target_ids_TW.min()), int(target_ids_TW.max())
-            if lo < 0 or hi >= shard.vocab_size:
-                raise ValueError(
-                    f"target ids must lie in [0, vocab_size={shard.vocab_size}), got values in "
-                    f"[{lo}, {hi}]"
-                )
 
-    if sample_n:
-        for name, ten in (("seed_T", seed_T), ("position_T", position_T)):
-            if ten is None:
-                raise ValueError(f"{name} is required when sample_n > 0")
-            if ten.dtype != torch.int64 or tuple(ten.shape) != (rows,):
-                raise ValueError(
-                    f"{name} must be an int64 tensor of shape [{rows}], got {ten.dtype} "
-                    f"{tuple(ten.shape)}"
-                )
-            _check_device(name, ten, device)
+def _check_targets(
+    target_ids_TW: torch.Tensor, *, rows: int, device: torch.device, vocab: int
+) -> None:
+    if target_ids_TW.dtype != torch.int64 or target_ids_TW.dim() != 2:
+        raise ValueError(
+            f"target_ids_TW must be an int64 [T, W] tensor, got {target_ids_TW.dtype} "
+            f"{tuple(target_ids_TW.shape)}"
+        )
+    if target_ids_TW.shape[0] != rows:
+        raise ValueError(f"target_ids_TW has {target_ids_TW.shape[0]} rows, logits {rows}")
+    _check_device("target_ids_TW", target_ids_TW, device)
+    if target_ids_TW.numel():
+        lo, hi = int(target_ids_TW.min()), int(target_ids_TW.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"target ids must lie in [0, vocab_size={vocab}), got values in [{lo}, {hi}]"
+            )
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}, logits on {device} (or pass it on the CPU)")
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; from the host to CUDA through pinned memory, so the copy does not wait
-    for work already queued on the device (a plain `.to` would sync)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

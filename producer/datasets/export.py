@@ -22,24 +22,15 @@ from producer.datasets.rq_plumbing import continue_step
 from producer.datasets.track import RESULTS_CHUNK, SWEEP_INTERVAL_S, Tracker
 from shared import keys
 from shared.log import get_logger
-from shared.messages import TeacherResult
+from shared.messages import RESULT_TABLE, TeacherResult
 from shared.storage import StorageError
 
 log = get_logger("teacherq.datasets")
 
-_FLOAT = pa.float32()
-_INT = pa.int64()
-# Result arrays: (name, dims, element type). Row j scores position j + 1 of input_ids.
-_ARRAY_COLUMNS = (
-    ("logprobs", 1, _FLOAT),
-    ("label_logprobs", 2, _FLOAT),
-    ("sampled_token_ids", 2, _INT),
-    ("sampled_logprobs", 2, _FLOAT),
-    ("topk_token_ids", 2, _INT),
-    ("topk_logprobs", 2, _FLOAT),
-    ("topk_rest_logprob", 1, _FLOAT),
-    ("entropy", 1, _FLOAT),
-)
+# Result arrays as columns: (name, dims, element type), from shared.messages.RESULT_TABLE.
+# Row j of each scores position j + 1 of input_ids.
+_ELEMENT_TYPES = {"float": pa.float32(), "int": pa.int64()}
+_ARRAY_COLUMNS = tuple((a.name, a.dims, _ELEMENT_TYPES[a.kind]) for a in RESULT_TABLE)
 EXPORT_SCHEMA = pa.schema(
     [
         ("row_index", pa.int64()),

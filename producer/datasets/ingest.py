@@ -17,7 +17,6 @@ from producer.datasets.records import (
     ROW_FIELDS,
     DatasetRecord,
     DatasetSpec,
-    RequestOptions,
     row_job_id,
     unknown_fields_message,
 )
@@ -26,11 +25,16 @@ from producer.datasets.track import Tracker
 from shared import keys
 from shared.errors import InvalidJob
 from shared.log import get_logger
-from shared.messages import Limits, TeacherRequest, check_limits, parse_request
+from shared.messages import (
+    OPTION_FIELDS,
+    Limits,
+    RequestOptions,
+    TeacherRequest,
+    check_limits,
+    parse_request,
+)
 
 log = get_logger("teacherq.datasets")
-
-_OPTION_FIELDS = ("sample_n", "top_k", "return_entropy", "temperature", "seed")
 
 
 def row_request(row: Mapping[str, Any], *, options: RequestOptions, job_id: str) -> TeacherRequest:
@@ -38,8 +42,8 @@ def row_request(row: Mapping[str, Any], *, options: RequestOptions, job_id: str)
     values. Raises InvalidJob naming what is wrong with the row."""
     if row.get("input_ids") is None:
         raise InvalidJob("row has no input_ids")
-    data: dict[str, Any] = options.model_dump()
-    for name in _OPTION_FIELDS:
+    data: dict[str, Any] = options.option_values()
+    for name in OPTION_FIELDS:
         if row.get(name) is not None:
             data[name] = row[name]
     data["input_ids"] = row["input_ids"]

@@ -13,10 +13,8 @@ from shared.settings import Settings, load_settings
 
 
 def with_queue(settings: Settings, queue: str) -> Settings:
-    """The settings with another queue name."""
-    if settings.queue.name == queue:
-        return settings
-    return settings.model_copy(update={"queue": settings.queue.model_copy(update={"name": queue})})
+    """The settings with another queue name (`Settings.with_queue`)."""
+    return settings.with_queue(queue)
 
 
 def _job_client(queue: str) -> TeacherClient:

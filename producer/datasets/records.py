@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shared import keys
 from shared.errors import TeacherqError
+from shared.messages import OPTION_FIELDS, REQUEST_ARRAYS, RequestOptions
 
 # redis-py's replies, as this package reads them (the client does not decode responses).
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -25,18 +26,9 @@ XRead = list[tuple[bytes, Entries]]
 # The first retry is immediate: the usual cause is a killed worker, and the new job resumes
 # from the recorded offset. Later ones back off for Redis or object-store trouble.
 RETRY_INTERVALS_S = (0, 10, 60)
-ROW_FIELDS = frozenset(
-    {
-        "input_ids",
-        "label_token_ids",
-        "sample_n",
-        "top_k",
-        "return_entropy",
-        "temperature",
-        "seed",
-        "metadata",
-    }
-)
+ROW_FIELDS = frozenset({*REQUEST_ARRAYS, *OPTION_FIELDS, "metadata"})
+"""The fields a row may carry: the request's arrays, its options (`RequestOptions`) and
+metadata."""
 
 
 def unknown_fields_message(names: Iterable[str]) -> str:
@@ -55,18 +47,6 @@ class DatasetError(TeacherqError):
     """A dataset cannot be submitted or found; the message says why."""
 
 
-class RequestOptions(BaseModel):
-    """Request options applied to every row; a row's own value wins."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    top_k: int = 0
-    sample_n: int = 0
-    return_entropy: bool = False
-    temperature: float = 1.0
-    seed: int = 0
-
-
 class DatasetSpec(BaseModel):
     """What a dataset is (input, queue, options: its identity) and how to run it (the rest)."""
 
@@ -78,6 +58,8 @@ class DatasetSpec(BaseModel):
     format: Literal["jsonl", "parquet"]
     queue: str
     options: RequestOptions = RequestOptions()
+    """Options applied to every row (`shared.messages.RequestOptions`); a row's own value
+    wins."""
     output: str
     batch_rows: int = Field(default=256, ge=1, le=2000)
     max_pending_tokens: int = Field(default=4_000_000, ge=1)

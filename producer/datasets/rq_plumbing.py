@@ -18,7 +18,7 @@ from producer.client import TeacherClient
 from producer.datasets.records import DatasetRecord, DatasetSpec
 from shared import keys
 from shared.log import get_logger
-from shared.redis_server import connect
+from shared.redis_client import connect
 from shared.settings import Settings, SettingsError
 
 log = get_logger("teacherq.datasets")

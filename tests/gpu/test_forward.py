@@ -71,9 +71,17 @@ def test_packed_documents_match_each_document_alone(model, layout) -> None:
     for i in range(len(lengths)):
         ids = _batch(lengths, seed=1).input_ids_T[starts[i] : starts[i + 1]]
         alone = scorer.hidden_states(
-            batch_from_jobs([Job(job_id="a", entry_id="0-0", request=TeacherRequest(
-                input_ids=ids.numpy()), submitted_at=0.0)])
-        ).float()  # fmt: skip
+            batch_from_jobs(
+                [
+                    Job(
+                        job_id="a",
+                        entry_id="0-0",
+                        request=TeacherRequest(input_ids=ids.numpy()),
+                        submitted_at=0.0,
+                    )
+                ]
+            )
+        ).float()
         torch.testing.assert_close(packed[starts[i] : starts[i + 1]], alone, atol=3e-2, rtol=3e-2)
 
 
@@ -102,8 +110,7 @@ def test_graph_replays_equal_the_eager_forward(model, layout) -> None:
     layouts = [[1024] * 4, [700, 300, 1024], [1024] * 4, [2048, 2048], [700, 300, 1024]]
     for round_ in range(3):
         for i, lengths in enumerate(layouts):
-            batch = _batch(lengths, seed=10 * round_ + i, top_k=8, sample_n=2,
-                           return_entropy=True)  # fmt: skip
+            batch = _batch(lengths, seed=10 * round_ + i, top_k=8, sample_n=2, return_entropy=True)
             want, got = eager.score(batch), graphed.score(batch)
             for a, b in zip(want, got, strict=True):
                 assert a.keys() == b.keys()
@@ -126,11 +133,18 @@ def test_shared_prompt_layouts_replay_too(model, layout) -> None:
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, SPEC.vocab_size, 600)
     jobs = [
-        Job(job_id=f"r{i}", entry_id=f"0-{i}", submitted_at=0.0, request=TeacherRequest(
-            input_ids=np.concatenate([prompt, rng.integers(0, SPEC.vocab_size, 200 + 50 * i)]),
-            prefix_id="p", top_k=4))
+        Job(
+            job_id=f"r{i}",
+            entry_id=f"0-{i}",
+            submitted_at=0.0,
+            request=TeacherRequest(
+                input_ids=np.concatenate([prompt, rng.integers(0, SPEC.vocab_size, 200 + 50 * i)]),
+                prefix_id="p",
+                top_k=4,
+            ),
+        )
         for i in range(4)
-    ]  # fmt: skip
+    ]
     from consumer.prefix import plan_shared_microbatches
 
     [group] = plan_shared_microbatches(jobs, token_budget=16384)
@@ -280,12 +294,20 @@ def test_bucketed_graphs_serve_shared_prompts(model, layout) -> None:
     for g in range(6):  # GRPO groups: a prompt and responses of new lengths each time
         prompt = rng.integers(0, SPEC.vocab_size, int(rng.integers(300, 700)))
         jobs = [
-            Job(job_id=f"g{g}r{i}", entry_id=f"0-{i}", submitted_at=0.0, request=TeacherRequest(
-                input_ids=np.concatenate(
-                    [prompt, rng.integers(0, SPEC.vocab_size, int(rng.integers(50, 900)))]),
-                prefix_id=f"p{g}", top_k=4))
+            Job(
+                job_id=f"g{g}r{i}",
+                entry_id=f"0-{i}",
+                submitted_at=0.0,
+                request=TeacherRequest(
+                    input_ids=np.concatenate(
+                        [prompt, rng.integers(0, SPEC.vocab_size, int(rng.integers(50, 900)))]
+                    ),
+                    prefix_id=f"p{g}",
+                    top_k=4,
+                ),
+            )
             for i in range(8)
-        ]  # fmt: skip
+        ]
         [group] = plan_shared_microbatches(jobs, token_budget=16384)
         batch = batch_from_jobs(group)
         assert batch.prefix_tokens_saved > 0

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from consumer import kernels, tp_ops  # noqa: E402 - after the skips
 from consumer.kernels import rowstats  # noqa: E402 - after the skips
 from consumer.tp_ops.local import local_samples  # noqa: E402 - after the skips
+from tests.helpers import chunked, head  # noqa: E402 - after the skips
 
 VOCAB, PADDED = 151936, 152064
 CUDA = torch.device("cuda")
@@ -84,8 +85,10 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
     # The fast block choice alone, as configured, and exact keys everywhere.
     for margin in (0.0, 1.0, float("inf")):
         cfg.blocks_per_step, cfg.samples_per_program, cfg.sample_margin = (
-            blocks, per_program, margin
-        )  # fmt: skip
+            blocks,
+            per_program,
+            margin,
+        )
         try:
             got = rowstats.gumbel_argmax(
                 logits_RV=logits.to(CUDA),
@@ -102,7 +105,7 @@ def test_gumbel_kernel_is_bit_identical_to_the_reference(blocks, per_program, tp
 
 
 def _head(logits: torch.Tensor, a: dict, *, fused: bool, device: torch.device, **kw) -> dict:
-    out = tp_ops.head_from_logits(
+    out = head(
         logits_TV=logits.to(device),
         shard=tp_ops.vocab_shard(rank=0, tp_size=1, padded_vocab=PADDED, vocab_size=VOCAB),
         tp_group=None,
@@ -206,7 +209,7 @@ def test_chunked_head_fused_equals_reference_on_cuda():
     )
     outs = []
     for fused in (True, False):
-        out = tp_ops.chunked_head(**args, fused=fused)
+        out = chunked(**args, fused=fused)
         outs.append({k: (None if v is None else v.cpu()) for k, v in vars(out).items()})
     _assert_same(outs[0], outs[1])
 

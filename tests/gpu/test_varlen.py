@@ -28,7 +28,7 @@ from consumer.batching import batch_from_jobs  # noqa: E402
 from consumer.model import ModelSpec, build_model  # noqa: E402
 from consumer.scoring import Scorer  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
-from tests.unit.test_attention import _dense_reference, _segments  # noqa: E402
+from tests.reference import dense_attention, packed_segments  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -42,7 +42,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_varlen_matches_a_dense_reference_and_the_sdpa_path(layout: str, kv_heads: int) -> None:
-    segments = _segments(LAYOUTS[layout])
+    segments = packed_segments(LAYOUTS[layout])
     total, heads, dim = segments[-1][1], 8, 64
     gen = torch.Generator(device=CUDA).manual_seed(3)
     q = torch.randn(total, heads, dim, generator=gen, device=CUDA, dtype=torch.bfloat16)
@@ -53,7 +53,7 @@ def test_varlen_matches_a_dense_reference_and_the_sdpa_path(layout: str, kv_head
     assert uses_varlen(q)
     attn = SdpaCoreAttention(config=None)
     out = attn(q, k, v, None, packed_seq_params=TreeBounds.from_segments(segments, max_position=1))
-    ref = _dense_reference(q.cpu(), k.cpu(), v.cpu(), segments)  # float64 on the CPU
+    ref = dense_attention(q.cpu(), k.cpu(), v.cpu(), segments)  # float64 on the CPU
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-2, rtol=2e-2)
     per_run = attn._forward_tree(q, k, v, segments)  # the SDPA path, one call per run
     torch.testing.assert_close(out.float(), per_run.float(), atol=2e-2, rtol=2e-2)
@@ -70,10 +70,14 @@ def test_a_batch_of_new_lengths_makes_one_flash_call_per_layer_and_no_cudnn_call
     rng = np.random.default_rng(0)
     lengths = rng.integers(50, 900, size=12).tolist()
     jobs = [
-        Job(job_id=f"j{i}", entry_id=f"0-{i}", submitted_at=0.0,
-            request=TeacherRequest(input_ids=rng.integers(0, 1000, n)))
+        Job(
+            job_id=f"j{i}",
+            entry_id=f"0-{i}",
+            submitted_at=0.0,
+            request=TeacherRequest(input_ids=rng.integers(0, 1000, n)),
+        )
         for i, n in enumerate(lengths)
-    ]  # fmt: skip
+    ]
     batch = batch_from_jobs(jobs)
     scorer.hidden_states(batch)  # warm-up: library handles, kernels loaded
     from torch.profiler import ProfilerActivity, profile

@@ -15,7 +15,7 @@ import redis
 from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
 from shared import tracing
 from shared.settings import Settings
-from tests.integration.test_pipeline import _requests
+from tests.helpers import mixed_requests
 from tests.reference import tiny_full_log_softmax
 from tests.timing import scaled
 
@@ -105,7 +105,7 @@ def test_async_results_match_sync_client_and_reference(
     s = settings.model_copy(
         update={"queue": settings.queue.model_copy(update={"inline_max_bytes": 256})}
     )
-    reqs = _requests(np.random.default_rng(7), 10)
+    reqs = mixed_requests(np.random.default_rng(7), 10)
 
     async def cancelled() -> tuple[str, list]:
         async with AsyncTeacherClient(s) as client:

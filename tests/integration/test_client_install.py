@@ -13,7 +13,7 @@ import tomllib
 import pytest
 
 from shared.settings import to_env
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 HEAVY = ("torch", "megatron", "pyarrow", "rq", "triton", "transformers")
 

@@ -22,9 +22,9 @@ from redis.crc import key_slot
 from producer import TeacherClient
 from shared import keys
 from shared.queue_metrics import queue_figures
-from shared.redis_server import connect, connect_async
+from shared.redis_client import connect, connect_async
 from shared.settings import Settings
-from tests.integration.test_faults import assert_exactly_once, fast, job_set
+from tests.helpers import assert_exactly_once, fast, job_set
 from tests.processes import ValkeyCluster, ValkeySentinel
 from tests.timing import scaled
 

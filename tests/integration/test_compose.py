@@ -38,7 +38,7 @@ import yaml
 from producer import TeacherClient, TeacherRequest
 from shared import keys
 from shared.redis_server import free_port, server_binary, wait_ready
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.s3_server import S3Server, start_s3_server
 from tests.timing import scaled
 

@@ -36,7 +36,7 @@ from producer.datasets import (
 from shared import keys
 from shared.settings import Settings, to_env
 from shared.storage import ObjectStore
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.processes import run_cli, terminate
 from tests.s3_server import S3Server, s3_bucket_fixture, s3_server_fixture  # noqa: F401
 from tests.timing import scaled

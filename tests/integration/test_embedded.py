@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.redis_server import connect, ensure_embedded, running_url, stop_embedded
+from shared.redis_client import connect
+from shared.redis_server import ensure_embedded, running_url, stop_embedded
 from shared.settings import RedisSettings
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.processes import run_cli
 from tests.timing import scaled
 

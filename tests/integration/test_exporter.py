@@ -23,7 +23,7 @@ from producer import TeacherClient, TeacherRequest
 from shared import keys
 from shared.redis_server import free_port
 from shared.settings import Settings, to_env
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.processes import stop_all
 from tests.timing import scaled, wait_until
 

@@ -25,57 +25,13 @@ import redis
 from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
-from tests.conftest import REPO
+from tests.helpers import REPO, K, assert_exactly_once, fast, job_set
 from tests.processes import Valkey, terminate
 from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
 POISON = 777  # a token id that fault injection turns into a poison job
-K = 3  # max deliveries
-
-
-def fast(settings: Settings, **consumer: object) -> Settings:
-    """Settings with short timeouts so redelivery happens within seconds."""
-    base = {
-        "block_ms": 100,
-        "visibility_timeout_s": 2.0,
-        "heartbeat_interval_s": 0.3,
-        "job_timeout_s": 3.0,
-        "max_deliveries": K,
-        "batch_max_jobs": 4,
-        "token_budget": 64,
-    }
-    base.update(consumer)
-    return settings.model_copy(update={"consumer": settings.consumer.model_copy(update=base)})
-
-
-def job_set(n: int = 12, seed: int = 0) -> list[TeacherRequest]:
-    rng = np.random.default_rng(seed)
-    reqs = []
-    for i in range(n):
-        length = int(rng.integers(5, 40))
-        reqs.append(
-            TeacherRequest(
-                input_ids=rng.integers(0, 500, size=length),
-                top_k=3 if i % 2 else 0,
-                sample_n=2 if i % 3 == 0 else 0,
-                return_entropy=i % 4 == 0,
-                seed=i,
-                job_id=f"job-{seed}-{i:03d}",
-            )
-        )
-    return reqs
-
-
-def assert_exactly_once(client: TeacherClient, ids: list[str], *, dead: set[str] = frozenset()):
-    """Every job has one completion, nothing is pending, dead letters are exactly `dead`."""
-    r, q = client.r, client.queue
-    done = [f[b"job_id"].decode() for _, f in r.xrange(keys.done_stream(q))]
-    assert sorted(done) == sorted(ids), "each job completes exactly once"
-    assert r.xpending(keys.jobs_stream(q), client.settings.queue.group)["pending"] == 0
-    dead_ids = {f[b"job_id"].decode() for _, f in r.xrange(keys.dead_stream(q))}
-    assert dead_ids == set(dead)
 
 
 def assert_same_results(got, want) -> None:
@@ -89,18 +45,15 @@ def assert_same_results(got, want) -> None:
             if arr.dtype.kind in "iu":
                 np.testing.assert_array_equal(arr, b.arrays()[name], err_msg=f"{a.job_id} {name}")
             else:
-                np.testing.assert_allclose(arr, b.arrays()[name], rtol=0, atol=1e-5,
-                                           err_msg=f"{a.job_id} {name}")  # fmt: skip
-
-
-def with_queue(settings: Settings, name: str) -> Settings:
-    return settings.model_copy(update={"queue": settings.queue.model_copy(update={"name": name})})
+                np.testing.assert_allclose(
+                    arr, b.arrays()[name], rtol=0, atol=1e-5, err_msg=f"{a.job_id} {name}"
+                )
 
 
 @pytest.fixture
 def fault_free(settings, start_consumer):
     """Results of the job set from an undisturbed consumer, on a queue of their own."""
-    s = fast(with_queue(settings, f"ref-{uuid.uuid4().hex[:6]}"))
+    s = fast(settings.with_queue(f"ref-{uuid.uuid4().hex[:6]}"))
     proc = start_consumer(s)
     client = TeacherClient(s)
     reqs = job_set()
@@ -350,12 +303,15 @@ def test_bad_entries_never_take_a_consumer_down(settings, start_consumer, r) -> 
     )
     fields = st.dictionaries(
         st.sampled_from(["v", "job_id", "meta", "input_ids", "label_token_ids", "junk"]),
-        value, min_size=1, max_size=6,
-    )  # fmt: skip
+        value,
+        min_size=1,
+        max_size=6,
+    )
     bad_ids: list[str] = []
 
-    @hsettings(max_examples=40, deadline=None,
-               suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+    @hsettings(
+        max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
     @given(fields)
     def write(entry: dict) -> None:
         job_id = f"bad-{len(bad_ids)}"
@@ -402,8 +358,14 @@ def test_consumer_refuses_redis_without_aof(settings, own_redis, tmp_path) -> No
     redis.Redis.from_url(url).config_set("appendonly", "no")
     s = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=scaled(120))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "consumer"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
     assert out.returncode != 0
     assert "AOF is off" in out.stdout + out.stderr
 

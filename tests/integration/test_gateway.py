@@ -24,8 +24,7 @@ from shared.redis_server import free_port
 from shared.settings import Settings, to_env
 from shared.trace_store import TraceStore
 from shared.weights import request_update
-from tests.conftest import REPO
-from tests.integration.test_faults import fast
+from tests.helpers import REPO, fast
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
-from tests.integration.test_faults import fast
+from tests.helpers import fast
 from tests.reference import hf_token_logprobs
 from tests.timing import scaled
 

@@ -12,8 +12,7 @@ from producer import TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings
 from shared.weights import UpdateInProgress, request_update
-from tests.conftest import wait_consumer_state
-from tests.integration.test_faults import assert_exactly_once, fast, with_queue
+from tests.helpers import assert_exactly_once, fast, group_jobs, wait_consumer_state
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
 from tests.timing import scaled
@@ -21,31 +20,14 @@ from tests.timing import scaled
 pytestmark = pytest.mark.integration
 
 
-def jobs(
-    n: int, seed: int = 0, vocab: int = 1000, *, top_k: int = 4, prefix: str = "g"
-) -> list[TeacherRequest]:
-    """`n` requests of 4-29 random tokens, top-k and 2 samples each, ids `<prefix><seed>-<i>`."""
-    rng = np.random.default_rng(seed)
-    return [
-        TeacherRequest(
-            input_ids=rng.integers(0, vocab, size=int(rng.integers(4, 30))),
-            top_k=top_k,
-            sample_n=2,
-            seed=i,
-            job_id=f"{prefix}{seed}-{i:03d}",
-        )
-        for i in range(n)
-    ]
-
-
 def tp(settings: Settings, n: int) -> Settings:
     return settings.model_copy(update={"parallel": settings.parallel.model_copy(update={"tp": n})})
 
 
 def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> None:
-    reqs = jobs(24)
+    reqs = group_jobs(24)
     # Reference: a single-rank consumer on its own queue.
-    single = fast(with_queue(settings, "single-" + settings.queue.name))
+    single = fast(settings.with_queue("single-" + settings.queue.name))
     proc = start_consumer(single)
     want = TeacherClient(single).wait(TeacherClient(single).submit(reqs), timeout=scaled(120))
     terminate(proc)
@@ -53,7 +35,7 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
     s = fast(settings, batch_max_jobs=2)
     start_consumer(s, nproc=2, wait=False)  # two data-parallel replicas in one launch
     start_consumer(tp(s, 2), nproc=2, wait=False)  # one tensor-parallel replica of two ranks
-    from tests.conftest import wait_for_consumers
+    from tests.helpers import wait_for_consumers
 
     wait_for_consumers(s, count=3)
     client = TeacherClient(s)
@@ -78,7 +60,7 @@ def test_tp_group_and_dp_replicas_share_a_queue(settings, start_consumer) -> Non
 def test_sigterm_drains_without_losing_work(settings, start_consumer) -> None:
     s = fast(settings, batch_max_jobs=2, prefetch_batches=1)
     client = TeacherClient(s)
-    reqs = jobs(120, seed=1)
+    reqs = group_jobs(120, seed=1)
     ids = client.submit(reqs)
     first = start_consumer(s)
     deadline = time.monotonic() + scaled(60)
@@ -102,7 +84,7 @@ def test_failure_on_a_non_leader_rank_does_not_hang(settings, start_consumer) ->
     s = tp(fast(settings, batch_max_jobs=4, raise_at="1:2"), 2)
     proc = start_consumer(s, nproc=2)
     client = TeacherClient(s)
-    ids = client.submit(jobs(12, seed=2))
+    ids = client.submit(group_jobs(12, seed=2))
     results = client.wait(ids, timeout=scaled(120))  # a hang would end in TimeoutError
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     log = proc.log_path.read_text()
@@ -122,7 +104,7 @@ def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_
     )
     start_consumer(s)
     client = TeacherClient(s)
-    wave1 = jobs(4, seed=3, vocab=500)
+    wave1 = group_jobs(4, seed=3, vocab=500)
     before = client.wait(client.submit(wave1), timeout=scaled(60))
     # A job that must be computed by the updated weights, submitted before the update.
     eager = TeacherRequest(input_ids=[1, 2, 3, 4], min_model_generation=1, job_id="needs-gen1")
@@ -134,7 +116,7 @@ def test_weight_update_mid_stream_stamps_versions(settings, start_consumer, two_
     with pytest.raises(UpdateInProgress, match="teacher-b"):
         request_update(client.r, s.queue.name, str(a))
     client.update_weights(str(b), wait=True, timeout=scaled(120))
-    wave2 = jobs(4, seed=4, vocab=500)
+    wave2 = group_jobs(4, seed=4, vocab=500)
     after = client.wait(client.submit(wave2), timeout=scaled(60))
     [late] = client.wait(["needs-gen1"], timeout=scaled(60))
 

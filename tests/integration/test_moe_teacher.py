@@ -28,10 +28,11 @@ def test_moe_checkpoint_served_with_expert_parallelism(settings, start_consumer,
     assert layout.startswith("tp1·ep2"), layout
     rng = np.random.default_rng(7)
     reqs = [
-        TeacherRequest(input_ids=rng.integers(0, 300, size=n), top_k=3, sample_n=2,
-                       return_entropy=True, seed=i)
+        TeacherRequest(
+            input_ids=rng.integers(0, 300, size=n), top_k=3, sample_n=2, return_entropy=True, seed=i
+        )
         for i, n in enumerate((12, 30, 5))
-    ]  # fmt: skip
+    ]
     results = client.wait(client.submit(reqs), timeout=scaled(180))
     for req, res in zip(reqs, results, strict=True):
         assert res.ok, res.error

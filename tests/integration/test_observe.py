@@ -19,7 +19,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from io import StringIO
 
 import numpy as np
@@ -43,128 +42,15 @@ from shared.keys import (
 from shared.messages import Limits, TeacherResult, decode_job
 from shared.results import encode_record
 from shared.settings import Settings, to_env
-from shared.streams import Streams
 from shared.trace_store import RedisSpanSink, TraceStore
-from shared.tracing import new_id, record, span
-from tests.conftest import REPO
+from shared.tracing import record, span
+from tests.helpers import REPO
 from tests.processes import run_cli as cli
 from tests.processes import run_with_terminal_stderr
 from tests.timing import scaled, wait_until
+from tests.trace_stand_in import JOB_PHASES, fake_consume, traced_jobs
 
 pytestmark = pytest.mark.integration
-
-JOB_PHASES = ["submit", "queue_wait", "claim", "pack", "forward", "head", "store", "ack"]
-
-
-# -- a consumer stand-in --------------------------------------------------------------------
-
-
-def fake_consume(
-    redis_url: str, queue: str, *, count: int, name: str = "fake", trace: bool = True
-) -> list[str]:
-    """Score `count` jobs like the worker does (log-probs of zeros), recording its spans when
-    `trace`. Returns the batch ids. Runs until `count` jobs were completed."""
-    r = redis.Redis.from_url(redis_url)
-    streams = Streams(r, queue)
-    streams.ensure_group()
-    sink = None
-    if trace:
-        sink = RedisSpanSink(r, queue)
-        tracing.configure_sink(sink, process=f"consumer {name}")
-    batches: list[str] = []
-    done = 0
-    while done < count:
-        t_read0 = tracing.now()
-        reply = r.xreadgroup(streams.group, name, {streams.jobs: ">"}, count=count, block=5000)
-        t_read1 = tracing.now()
-        if not reply:
-            continue
-        entries = reply[0][1]
-        jobs = [decode_job(eid.decode(), f, limits=Limits()) for eid, f in entries]
-        batch_id = new_id()
-        batches.append(batch_id)
-        tokens = sum(j.request.num_tokens for j in jobs)
-        with span("batch", root=True, batch_id=batch_id, job_ids=[j.job_id for j in jobs],
-                  jobs=len(jobs), tokens=tokens, consumer=name) as b:  # fmt: skip
-            p0 = b.elapsed()
-            outputs = [np.zeros(j.request.num_tokens - 1, np.float32) for j in jobs]
-            time.sleep(0.002)
-            p1 = b.elapsed()
-            b.child("pack", start_s=p0, end_s=p1, jobs=len(jobs))
-            time.sleep(0.01)  # "forward"
-            f1 = b.elapsed()
-            time.sleep(0.004)  # "head"
-            h1 = b.elapsed()
-            for rank in (0, 1):
-                rs = b.child(f"rank{rank}", start_s=p1, end_s=h1, rank=rank)
-                rs.child("forward", start_s=0, end_s=f1 - p1)
-                rs.child("head", start_s=f1 - p1, end_s=h1 - p1)
-        for job, logprobs in zip(jobs, outputs, strict=True):
-            carrier = job.request.trace
-            if trace:
-                claim0 = max(t_read0, job.submitted_at)
-                ids = {"job_id": job.job_id}
-                record("queue_wait", start_time=job.submitted_at, end_time=claim0,
-                       carrier=carrier, **ids)  # fmt: skip
-                record("claim", start_time=claim0, end_time=t_read1, carrier=carrier,
-                       consumer=name, **ids)  # fmt: skip
-                link = {**ids, "batch_id": batch_id}
-                for phase, lo, hi in (("pack", p0, p1), ("forward", p1, f1), ("head", f1, h1)):
-                    record(phase, start_time=b.start_wall + lo, end_time=b.start_wall + hi,
-                           carrier=carrier, **link)  # fmt: skip
-            result = TeacherResult(job_id=job.job_id, model_version="fake", logprobs=logprobs)
-            with span("store", carrier=carrier, job_id=job.job_id, batch_id=batch_id):
-                rec = encode_record(result, queue=queue, store=None, inline_max_bytes=1 << 20)
-            with span("ack", carrier=carrier, job_id=job.job_id, batch_id=batch_id):
-                streams.complete(job_id=job.job_id, entry_id=job.entry_id, status="ok",
-                                 record=rec, ttl_s=3600, tokens=job.counted_tokens)  # fmt: skip
-            done += 1
-        r.xadd(throughput_stream(queue), {"jobs": len(jobs), "tokens": tokens, "consumer": name})
-    if sink is not None:
-        sink.close()
-        tracing.configure_sink(None)
-    return batches
-
-
-def run_fake_consumer(settings: Settings, count: int) -> subprocess.Popen:
-    """`fake_consume` in a child process (started now; it blocks until jobs arrive)."""
-    code = (
-        "import json; from shared.log import configure_logging; "
-        "configure_logging(fmt='json', level='warning', rank=0); "  # logs to stderr, binds rank
-        "from tests.integration.test_observe import fake_consume; "
-        f"print(json.dumps(fake_consume({settings.redis.url!r}, {settings.queue.name!r}, "
-        f"count={count})))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
-        [sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-
-
-@pytest.fixture
-def producer_sink(settings: Settings, r: redis.Redis) -> Iterator[RedisSpanSink]:
-    """This test process records its spans (the producer's `submit`) to Redis."""
-    sink = RedisSpanSink(r, settings.queue.name)
-    previous = tracing.configure_sink(sink, process="producer test")
-    try:
-        yield sink
-    finally:
-        tracing.configure_sink(previous)
-        sink.close()
-
-
-def traced_jobs(settings: Settings, producer_sink: RedisSpanSink, n: int) -> tuple[list, list]:
-    """Submit n jobs from this process and let a fake consumer process score them in one
-    batch; returns (job ids, batch ids) once every span is in Redis."""
-    client = TeacherClient(settings)
-    ids = client.submit([TeacherRequest(input_ids=list(range(3 + i))) for i in range(n)])
-    producer_sink.flush()
-    proc = run_fake_consumer(settings, n)
-    out, _ = proc.communicate(timeout=scaled(120))
-    assert proc.returncode == 0, out
-    client.wait(ids, timeout=scaled(30), progress=False)
-    return ids, json.loads(out)
-
 
 # -- spans in Redis -------------------------------------------------------------------------
 
@@ -194,8 +80,12 @@ def test_sink_stores_indexes_caps_and_expires(settings: Settings, r: redis.Redis
     assert r.llen(trace_key(q, sub.trace_id)) == 5
     batch_tid = store.trace_of_batch("b1")
     assert batch_tid and store.batch_spans("b1")[0]["name"] == "batch"
-    for key in (trace_key(q, sub.trace_id), job_trace_key(q, "j1"), batch_trace_key(q, "b1"),
-                trace_jobs_key(q)):  # fmt: skip
+    for key in (
+        trace_key(q, sub.trace_id),
+        job_trace_key(q, "j1"),
+        batch_trace_key(q, "b1"),
+        trace_jobs_key(q),
+    ):
         assert 0 < r.ttl(key) <= 3 * 24 * 3600, key
     t = sub.start_wall
     assert store.jobs_between(t - 1, t + 1) == ["j1"]
@@ -406,15 +296,26 @@ def test_status_figures_match_a_scripted_scenario(settings: Settings, r: redis.R
     now = time.time()
     beat = {"model_version": "m1", "layout": "tp2-pp1-dp1", "jobs_done": 3, "tokens": 30}
     r.hset(keys.consumers_key(q), "c-live", json.dumps({**beat, "state": "busy", "time": now}))
-    r.hset(keys.consumers_key(q), "c-old", json.dumps({**beat, "state": "ready",
-                                                        "time": now - 600}))  # fmt: skip
+    r.hset(
+        keys.consumers_key(q), "c-old", json.dumps({**beat, "state": "ready", "time": now - 600})
+    )
 
     # One of the claimed jobs completes (done stream) in a batch of 5 tokens.
     job = decode_job(claimed[0], reply[0][1][0][1], limits=Limits())
-    rec = encode_record(TeacherResult(job_id=job.job_id, logprobs=np.zeros(4, np.float32)),
-                        queue=q, store=None, inline_max_bytes=1 << 20)  # fmt: skip
-    client.streams.complete(job_id=job.job_id, entry_id=job.entry_id, status="ok", record=rec,
-                            ttl_s=3600, tokens=job.counted_tokens)  # fmt: skip
+    rec = encode_record(
+        TeacherResult(job_id=job.job_id, logprobs=np.zeros(4, np.float32)),
+        queue=q,
+        store=None,
+        inline_max_bytes=1 << 20,
+    )
+    client.streams.complete(
+        job_id=job.job_id,
+        entry_id=job.entry_id,
+        status="ok",
+        record=rec,
+        ttl_s=3600,
+        tokens=job.counted_tokens,
+    )
     r.xadd(throughput_stream(q), {"jobs": 1, "tokens": 5, "consumer": "fake-a"})
 
     snap = client.status()
@@ -598,8 +499,9 @@ def test_wait_progress_counts_jobs_and_tokens(settings: Settings) -> None:
     client = TeacherClient(settings)
     ids = client.submit([TeacherRequest(input_ids=list(range(n))) for n in (4, 6, 8)])
     buf = StringIO()
-    bar = WaitProgress(3, total_tokens=18, console=Console(file=buf, force_terminal=True,
-                                                              width=160))  # fmt: skip
+    bar = WaitProgress(
+        3, total_tokens=18, console=Console(file=buf, force_terminal=True, width=160)
+    )
     t = _complete_in_thread(settings, 3)
     results = client.wait(ids, timeout=scaled(60), progress=bar)
     t.join(timeout=scaled(10))
@@ -620,8 +522,9 @@ def test_wait_shows_no_progress_off_a_terminal(settings: Settings, capfd) -> Non
 
 def test_cli_submit_wait_shows_a_progress_bar_on_a_terminal(settings: Settings, tmp_path) -> None:
     jsonl = tmp_path / "jobs.jsonl"
-    jsonl.write_text("".join(json.dumps({"input_ids": list(range(3 + i))}) + "\n"
-                             for i in range(4)))  # fmt: skip
+    jsonl.write_text(
+        "".join(json.dumps({"input_ids": list(range(3 + i))}) + "\n" for i in range(4))
+    )
     t = _complete_in_thread(settings, 4)
     env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO), "COLUMNS": "150"}
     code, seen, raw = run_with_terminal_stderr(

@@ -16,6 +16,7 @@ from producer import InvalidJob, JobFailed, TeacherClient, TeacherRequest
 from shared import exitcodes, keys
 from shared.errors import UnknownJob
 from shared.settings import to_env
+from tests.helpers import error_lines
 from tests.processes import run_cli as cli
 from tests.processes import run_with_terminal_stderr
 from tests.timing import scaled
@@ -23,10 +24,6 @@ from tests.timing import scaled
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
 # -- unknown job ids ------------------------------------------------------------------------
@@ -211,9 +208,14 @@ def test_submit_dataset_rejects_a_misspelled_field_like_submit(settings, tmp_pat
     assert proc.returncode == exitcodes.USAGE and f"{src}:2" in proc.stderr
     assert "topk" in proc.stderr
     kept = cli(
-        settings, "submit-dataset", str(src), "--output", str(tmp_path / "o"), "--keep-field",
+        settings,
+        "submit-dataset",
+        str(src),
+        "--output",
+        str(tmp_path / "o"),
+        "--keep-field",
         "topk",
-    )  # fmt: skip
+    )
     assert kept.returncode == 0, kept.stderr
 
 

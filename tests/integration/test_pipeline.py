@@ -12,6 +12,7 @@ from producer import InvalidJob, TeacherClient, TeacherRequest
 from shared import keys
 from shared.codec import encode_array
 from shared.messages import DEFAULT_MAX_INPUT_TOKENS, encode_job
+from tests.helpers import mixed_requests
 from tests.processes import run_cli
 from tests.reference import tiny_full_log_softmax
 from tests.timing import scaled
@@ -20,30 +21,10 @@ pytestmark = pytest.mark.integration
 VOCAB = 1000  # the tiny preset's
 
 
-def _requests(rng: np.random.Generator, n: int) -> list[TeacherRequest]:
-    reqs = []
-    for i in range(n):
-        length = int(rng.integers(5, 60))
-        ids = rng.integers(0, VOCAB, size=length)
-        reqs.append(
-            TeacherRequest(
-                input_ids=ids,
-                label_token_ids=rng.integers(0, VOCAB, size=(length - 1, 3)) if i % 2 else None,
-                top_k=5 if i % 3 == 0 else 0,
-                sample_n=2 if i % 4 == 0 else 0,
-                return_entropy=i % 2 == 0,
-                temperature=[1.0, 0.7, 1.5][i % 3],
-                seed=i,
-                metadata={"i": i},
-            )
-        )
-    return reqs
-
-
 def test_submit_consume_results_match_full_vocab_reference(settings, start_consumer) -> None:
     start_consumer(settings)
     client = TeacherClient(settings)
-    reqs = _requests(np.random.default_rng(0), 8)
+    reqs = mixed_requests(np.random.default_rng(0), 8)
     ids = client.submit(reqs)
     assert len(set(ids)) == 8
     results = client.wait(ids, timeout=scaled(120))

@@ -17,9 +17,7 @@ import pytest
 from producer import TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings
-from tests.conftest import wait_consumer_state
-from tests.integration.test_faults import assert_exactly_once, fast
-from tests.integration.test_groups import jobs as group_jobs
+from tests.helpers import assert_exactly_once, fast, group_jobs, wait_consumer_state
 from tests.processes import terminate
 from tests.reference import hf_token_logprobs
 from tests.timing import scaled

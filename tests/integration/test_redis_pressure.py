@@ -24,7 +24,7 @@ from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
 from shared.streams import Streams
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.processes import Valkey, terminate
 from tests.timing import scaled, wait_until
 
@@ -147,32 +147,53 @@ def test_real_result_replaces_a_dead_letter_and_never_the_reverse(r, settings) -
     from shared.deadletter import DeadLetter
 
     def dead_letter(job_id: str) -> DeadLetter:
-        return DeadLetter.for_entry("1-0", {b"job_id": job_id.encode()},
-                                    reason="delivered 4 times", exception="TooManyDeliveries",
-                                    deliveries=4, attempts=3, consumer="c")  # fmt: skip
+        return DeadLetter.for_entry(
+            "1-0",
+            {b"job_id": job_id.encode()},
+            reason="delivered 4 times",
+            exception="TooManyDeliveries",
+            deliveries=4,
+            attempts=3,
+            consumer="c",
+        )
 
     dead = dead_letter("a")
-    assert streams.complete(job_id="a", entry_id="", status="failed", record=_record("failed", "a"),
-                            ttl_s=60, dead_letter=dead)  # fmt: skip
+    assert streams.complete(
+        job_id="a",
+        entry_id="",
+        status="failed",
+        record=_record("failed", "a"),
+        ttl_s=60,
+        dead_letter=dead,
+    )
     assert r.xlen(keys.dead_stream(q)) == 1
-    assert streams.complete(job_id="a", entry_id="", status="ok", record=_record("ok", "a"),
-                            ttl_s=60)  # fmt: skip
+    assert streams.complete(
+        job_id="a", entry_id="", status="ok", record=_record("ok", "a"), ttl_s=60
+    )
     assert r.hget(keys.result_key(q, "a"), "status") == b"ok"
     assert r.hget(keys.result_key(q, "a"), "dead_entry") is None
     assert r.xlen(keys.dead_stream(q)) == 0, "the dead letter is gone with its record"
     # The other order: the real result first; the late dead letter changes nothing.
-    assert streams.complete(job_id="b", entry_id="", status="ok", record=_record("ok", "b"),
-                            ttl_s=60)  # fmt: skip
-    assert not streams.complete(job_id="b", entry_id="", status="failed",
-                                record=_record("failed", "b"), ttl_s=60,
-                                dead_letter=dead_letter("b"))  # fmt: skip
+    assert streams.complete(
+        job_id="b", entry_id="", status="ok", record=_record("ok", "b"), ttl_s=60
+    )
+    assert not streams.complete(
+        job_id="b",
+        entry_id="",
+        status="failed",
+        record=_record("failed", "b"),
+        ttl_s=60,
+        dead_letter=dead_letter("b"),
+    )
     assert r.hget(keys.result_key(q, "b"), "status") == b"ok"
     assert r.xlen(keys.dead_stream(q)) == 0
     # A cancellation (a failure without dead letter) is not replaced by a late result.
-    assert streams.complete(job_id="c", entry_id="", status="failed",
-                            record=_record("failed", "c"), ttl_s=60)  # fmt: skip
-    assert not streams.complete(job_id="c", entry_id="", status="ok", record=_record("ok", "c"),
-                                ttl_s=60)  # fmt: skip
+    assert streams.complete(
+        job_id="c", entry_id="", status="failed", record=_record("failed", "c"), ttl_s=60
+    )
+    assert not streams.complete(
+        job_id="c", entry_id="", status="ok", record=_record("ok", "c"), ttl_s=60
+    )
 
 
 # -- a full Redis ------------------------------------------------------------------------------
@@ -239,8 +260,13 @@ def test_status_shows_memory(small_redis, settings) -> None:
     s = on(settings, small_redis.url)
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
     small_redis.fill()
-    out = subprocess.run([sys.executable, "-m", "producer.cli", "status", "--json"], env=env,
-                         capture_output=True, text=True, timeout=scaled(60))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
     assert out.returncode == 0, out.stderr
     mem = json.loads(out.stdout)["memory"]
     assert mem["limit_bytes"] == 8 * 2**20
@@ -258,8 +284,14 @@ def test_unsafe_redis_exits_78_before_the_model_loads(small_redis, settings, tmp
     s = on(settings, small_redis.url)
     env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "consumer"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=scaled(120))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "consumer"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
     assert out.returncode == 78
     assert "AOF is off" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
@@ -311,9 +343,17 @@ def test_traces_have_their_own_ttl_and_sampling(r, settings) -> None:
     for process in range(2):
         sink = RedisSpanSink(r, q, ttl_s=120, sample_rate=0.5)
         for tid in trace_ids:
-            sink({"trace_id": tid, "span_id": f"s{process}", "parent_span_id": None,
-                  "name": "x", "start_time": time.time(), "duration_ms": 1.0,
-                  "attrs": {"job_id": f"job-{tid}"}})  # fmt: skip
+            sink(
+                {
+                    "trace_id": tid,
+                    "span_id": f"s{process}",
+                    "parent_span_id": None,
+                    "name": "x",
+                    "start_time": time.time(),
+                    "duration_ms": 1.0,
+                    "attrs": {"job_id": f"job-{tid}"},
+                }
+            )
         sink.close()
         kept.append({t for t in trace_ids if r.exists(keys.trace_key(q, t))})
     assert kept[0] == kept[1], "every process keeps the same traces"
@@ -329,8 +369,9 @@ def test_result_deleted_once_read(r, settings) -> None:
     results not finished yet are left alone."""
     q = settings.queue.model_copy(update={"delete_result_on_read": True})
     client = TeacherClient(settings.model_copy(update={"queue": q}))
-    client.streams.complete(job_id="read-me", entry_id="", status="ok",
-                            record=_record("ok", "read-me"), ttl_s=60)  # fmt: skip
+    client.streams.complete(
+        job_id="read-me", entry_id="", status="ok", record=_record("ok", "read-me"), ttl_s=60
+    )
     first = client.results(["read-me", "not-yet"], strict=False)
     assert first[0] is not None and first[0].job_id == "read-me" and first[1] is None
     assert not r.exists(keys.result_key(q.name, "read-me"))
@@ -367,8 +408,9 @@ def full_redis_run(
     is freed, `cycles` times; asserts the invariants and returns the run's figures."""
     # Heartbeats every 0.3 s; dead after 10 silent beats, so a heartbeat thread starved of CPU
     # for a second on a loaded 2-core machine is not taken for a dead consumer.
-    s = on(settings, small_redis.url, visibility_timeout_s=3.0, max_deliveries=2,
-           dead_after_beats=10)  # fmt: skip
+    s = on(
+        settings, small_redis.url, visibility_timeout_s=3.0, max_deliveries=2, dead_after_beats=10
+    )
     client = TeacherClient(s)
     procs = [start_consumer(s), start_consumer(s)]
     t0 = time.monotonic()
@@ -541,8 +583,14 @@ def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     r.hset(beats, "gone", json.dumps({"state": "busy", "time": now}))
     _wait_idle(r, streams, ids, ms=600)  # both entries idle past the 0.5 s visibility timeout
     r.hset(beats, "live", json.dumps({"state": "busy", "time": time.time()}))
-    taker = Claimer(streams, "taker", visibility_timeout_s=0.5, block_ms=10,
-                    heartbeat_interval_s=60.0, dead_after_beats=3)  # fmt: skip
+    taker = Claimer(
+        streams,
+        "taker",
+        visibility_timeout_s=0.5,
+        block_ms=10,
+        heartbeat_interval_s=60.0,
+        dead_after_beats=3,
+    )
     taker._next_scan = float("inf")  # only the visibility-timeout path in this test
     got = taker.next_entries(1) + taker.next_entries(1)
     assert sorted(eid for eid, _ in got) == sorted(ids)
@@ -552,11 +600,18 @@ def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     r.xack(streams.jobs, streams.group, ids[0])
     # Now 'gone' is silent past 3 intervals of 0.1 s: dead.
     r.hset(beats, "gone", json.dumps({"state": "busy", "time": time.time() - 10}))
-    r.xclaim(streams.jobs, streams.group, "gone", min_idle_time=0, message_ids=[ids[1]],
-             justid=True)  # fmt: skip
+    r.xclaim(
+        streams.jobs, streams.group, "gone", min_idle_time=0, message_ids=[ids[1]], justid=True
+    )
     _wait_idle(r, streams, ids[1:], ms=600)
-    taker2 = Claimer(streams, "taker2", visibility_timeout_s=0.5, block_ms=10,
-                     heartbeat_interval_s=0.1, dead_after_beats=3)  # fmt: skip
+    taker2 = Claimer(
+        streams,
+        "taker2",
+        visibility_timeout_s=0.5,
+        block_ms=10,
+        heartbeat_interval_s=0.1,
+        dead_after_beats=3,
+    )
     got = taker2.next_entries(1)
     assert [eid for eid, _ in got] == [ids[1]]
     assert taker2.delivery_counts([ids[1]])[ids[1]] == 2, "its owner died: one more delivery"

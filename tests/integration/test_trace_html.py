@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from shared.settings import Settings
-from tests.integration.test_observe import JOB_PHASES, cli, producer_sink, traced_jobs
+from tests.processes import run_cli as cli
 from tests.timing import scaled
+from tests.trace_stand_in import JOB_PHASES, traced_jobs
 
 pytestmark = pytest.mark.integration
-__all__ = ["producer_sink"]  # the fixture, imported for these tests
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 INSTALL = "apt-get update && apt-get install -y --no-install-recommends chromium"
@@ -137,8 +137,9 @@ def test_html_timeline_renders_in_headless_chromium(
     assert 'data-rendered="1"' in dom.stdout, "the page script did not finish"
     # One job row (8 phases) and its batch (batch, pack, 2 ranks x (rank, forward, head)).
     assert 'data-bars="16"' in dom.stdout
-    bars = re.findall(r'<div class="bar[^"]*" data-span="[0-9a-f]+" data-name="([a-z_0-9]+)"',
-                      dom.stdout)  # fmt: skip
+    bars = re.findall(
+        r'<div class="bar[^"]*" data-span="[0-9a-f]+" data-name="([a-z_0-9]+)"', dom.stdout
+    )
     assert len(bars) == 16 and set(JOB_PHASES) <= set(bars)
     assert bars.count("forward") == 3  # the job's link span and each rank's
     assert 'class="row job"' in dom.stdout and 'class="row batch"' in dom.stdout
@@ -172,7 +173,8 @@ def test_batch_page_has_a_row_per_job(settings: Settings, producer_sink, tmp_pat
 
     zoomed = run_chromium(tmp_path, "--dump-dom", page.as_uri() + "#zoom=1,2")
     assert zoomed.returncode == 0 and console_errors(zoomed.stderr) == [], zoomed.stderr[-3000:]
-    ticks = [float(t) for t in re.findall(r'<div class="tick"[^>]*>([0-9.]+) ms</div>',
-                                          zoomed.stdout)]  # fmt: skip
+    ticks = [
+        float(t) for t in re.findall(r'<div class="tick"[^>]*>([0-9.]+) ms</div>', zoomed.stdout)
+    ]
     assert len(ticks) >= 3 and all(1 <= t <= 2 for t in ticks), ticks
     assert re.search(r'id="reset" style="visibility: visible;?"', zoomed.stdout)

@@ -17,9 +17,8 @@ from producer import TeacherClient, TeacherRequest
 from shared import exitcodes, keys
 from shared.errors import InvalidCheckpoint, WeightUpdateFailed
 from shared.weights import Served, start_choice
-from tests.conftest import wait_for_consumers
-from tests.integration.test_faults import fast
-from tests.integration.test_operating import cli, error_lines
+from tests.helpers import error_lines, fast, wait_for_consumers
+from tests.processes import run_cli as cli
 from tests.reference import hf_token_logprobs
 from tests.timing import scaled
 
@@ -256,8 +255,13 @@ def test_a_replica_that_applied_an_update_failed_elsewhere_reverts(
         ):
             assert time.monotonic() < deadline
         assert current(client.r, s.queue.name).state == "updating"  # phantom has not acked
-        assert fail_update(client.r, s.queue.name, generation=req.generation,
-                           replica="phantom", reason="out of memory")  # fmt: skip
+        assert fail_update(
+            client.r,
+            s.queue.name,
+            generation=req.generation,
+            replica="phantom",
+            reason="out of memory",
+        )
         with pytest.raises(WeightUpdateFailed, match="phantom.*out of memory"):
             wait_done(client.r, s.queue.name, req.generation, timeout_s=5)
         deadline = time.monotonic() + scaled(60)

@@ -3,38 +3,11 @@ softmax attention in float64 over the whole pack, its [T, T] mask built from the
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from consumer.attention import SdpaCoreAttention, TreeBounds, attention_runs
-
-
-def _dense_reference(q, k, v, segments) -> torch.Tensor:
-    """[T, heads * dim]: row t sees its segment's context rows and its segment's rows <= t."""
-    total = q.shape[0]
-    allowed = torch.zeros(total, total, dtype=torch.bool)
-    for start, end, c0, c1 in segments:
-        allowed[start:end, c0:c1] = True
-        allowed[start:end, start:end] = torch.ones(end - start, end - start).tril().bool()
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    scores = torch.einsum("thd,shd->hts", q.double(), k) / math.sqrt(q.shape[-1])
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("hts,shd->thd", probs, v).reshape(total, -1)
-
-
-def _segments(spec: list[tuple[int, int | None]]) -> tuple[tuple[int, int, int, int], ...]:
-    """(length, index of the context segment or None) -> packed segments."""
-    out: list[tuple[int, int, int, int]] = []
-    at = 0
-    for n, ctx in spec:
-        c0, c1 = (at, at) if ctx is None else out[ctx][:2]
-        out.append((at, at + n, c0, c1))
-        at += n
-    return tuple(out)
-
+from tests.reference import dense_attention, packed_segments
 
 LAYOUTS = {
     "equal_documents": [(16, None)] * 4,
@@ -46,22 +19,22 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_packed_attention_matches_a_dense_masked_reference(layout: str, kv_heads: int) -> None:
-    segments = _segments(LAYOUTS[layout])
+    segments = packed_segments(LAYOUTS[layout])
     total, heads, dim = segments[-1][1], 4, 8
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(total, heads, dim, generator=gen)
     k, v = (torch.randn(total, kv_heads, dim, generator=gen) for _ in range(2))
     params = TreeBounds.from_segments(segments, max_position=total)
     out = SdpaCoreAttention(config=None)(q, k, v, None, packed_seq_params=params)
-    torch.testing.assert_close(out.double(), _dense_reference(q, k, v, segments), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v, segments), atol=1e-5, rtol=0)
 
 
 def test_adjacent_documents_of_one_length_share_a_call() -> None:
-    segments = _segments(LAYOUTS["mixed_lengths"])
+    segments = packed_segments(LAYOUTS["mixed_lengths"])
     assert [(docs, end - start) for start, end, docs, _, _ in attention_runs(segments)] == [
         (2, 16), (1, 5), (3, 24), (1, 3)
     ]  # fmt: skip
-    with_prompt = _segments(LAYOUTS["prompt_and_responses"])
+    with_prompt = packed_segments(LAYOUTS["prompt_and_responses"])
     assert [docs for *_, docs, _, _ in attention_runs(with_prompt)] == [1, 0, 0, 2, 0]
 
 
@@ -86,11 +59,16 @@ def test_documents_longer_than_the_configured_positions_match_megatrons_own_rope
     positions = torch.arange(100)[None]
     with torch.no_grad():
         reference = model(ids, positions, attention_mask=None)[:, 0]
-        packed = model(ids, positions, attention_mask=None,
-                       packed_seq_params=TreeBounds.documents([100]))[:, 0]  # fmt: skip
+        packed = model(
+            ids, positions, attention_mask=None, packed_seq_params=TreeBounds.documents([100])
+        )[:, 0]
         assert model.rope_tables(torch.device("cpu"))[0].shape[0] == 128  # grown
-        two = model(ids.repeat(1, 2), positions.repeat(1, 2), attention_mask=None,
-                    packed_seq_params=TreeBounds.documents([100, 100]))[:, 0]  # fmt: skip
+        two = model(
+            ids.repeat(1, 2),
+            positions.repeat(1, 2),
+            attention_mask=None,
+            packed_seq_params=TreeBounds.documents([100, 100]),
+        )[:, 0]
     torch.testing.assert_close(packed, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(two[:100], reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(two[100:], reference, atol=1e-5, rtol=1e-5)

@@ -174,8 +174,13 @@ def test_pack_tree_lays_each_prompt_once_with_positions_continuing() -> None:
     batch, tree = _tree_of(jobs, [PrefixGroup((1, 3), 3)])
     assert tree.input_ids_P.tolist() == [1, 2, 3, 4, 5, 9, 8, 7, 10, 11, 7, 7, 12]
     assert tree.position_P.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 3]
-    assert tree.segments == ((0, 5, 0, 0), (5, 8, 5, 5), (8, 10, 5, 8), (10, 12, 10, 10),
-                             (12, 13, 5, 8))  # fmt: skip
+    assert tree.segments == (
+        (0, 5, 0, 0),
+        (5, 8, 5, 5),
+        (8, 10, 5, 8),
+        (10, 12, 10, 10),
+        (12, 13, 5, 8),
+    )
     # Every job token is found at its packed row: the invariant the scorer relies on.
     assert torch.equal(tree.input_ids_P[tree.row_of_T], batch.input_ids_T)
     assert tree.tokens_saved == 3
@@ -196,8 +201,10 @@ def test_pack_tree_refuses_an_inconsistent_plan(second, prefix, match) -> None:
 
 def test_prefix_id_travels_on_the_wire_only_when_set() -> None:
     req = TeacherRequest(input_ids=[1, 2, 3], prefix_id="grpo-17")
-    fields = {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
-              for k, v in encode_job(req, job_id="a").items()}  # fmt: skip
+    fields = {
+        k.encode(): (v if isinstance(v, bytes) else str(v).encode())
+        for k, v in encode_job(req, job_id="a").items()
+    }
     assert decode_job("1-0", fields, limits=Limits()).request.prefix_id == "grpo-17"
     plain = encode_job(TeacherRequest(input_ids=[1, 2, 3]), job_id="b")
     assert "prefix_id" not in plain["meta"]
@@ -217,12 +224,21 @@ def _workload(seed: int) -> tuple[list[Job], int]:
         for r in range(n):
             ids = np.concatenate([prompt, _tokens(rng, int(rng.integers(1, 25)))])
             if r < 3:  # same seed, temperature and kinds of output: one head row per row
-                opts = {"seed": 11, "temperature": 0.8, "top_k": [3, 5, 2][r],
-                        "sample_n": [4, 2, 3][r], "return_entropy": True}  # fmt: skip
+                opts = {
+                    "seed": 11,
+                    "temperature": 0.8,
+                    "top_k": [3, 5, 2][r],
+                    "sample_n": [4, 2, 3][r],
+                    "return_entropy": True,
+                }
             else:  # the hidden states are shared, the head runs per job
-                opts = {"seed": 20 + r, "temperature": [1.0, 1.7][r % 2],
-                        "top_k": [0, 4][r % 2], "sample_n": [2, 0][r % 2],
-                        "return_entropy": r % 2 == 0}  # fmt: skip
+                opts = {
+                    "seed": 20 + r,
+                    "temperature": [1.0, 1.7][r % 2],
+                    "top_k": [0, 4][r % 2],
+                    "sample_n": [2, 0][r % 2],
+                    "return_entropy": r % 2 == 0,
+                }
             if r in (1, 4):
                 opts["label_token_ids"] = rng.integers(0, VOCAB, size=(len(ids) - 1, r // 2 + 1))
             if g == 0:

@@ -1,10 +1,10 @@
-"""How `redis.mode` reads the URL (shared/redis_server.connection_plan), without a server."""
+"""How `redis.mode` reads the URL (shared/redis_client.connection_plan), without a server."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.redis_server import connection_plan
+from shared.redis_client import connection_plan
 from shared.settings import RedisSettings, Settings, SettingsError, load_settings
 
 

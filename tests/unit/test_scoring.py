@@ -16,17 +16,26 @@ from shared.messages import Job, TeacherRequest
 def _batch(seed: int, lengths: list[int]):
     rng = np.random.default_rng(seed)
     jobs = [
-        Job(job_id=f"j{i}", entry_id=f"0-{i}", submitted_at=0.0, request=TeacherRequest(
-            input_ids=rng.integers(0, TINY.vocab_size, n), top_k=3, sample_n=2,
-            return_entropy=bool(i % 2)))
+        Job(
+            job_id=f"j{i}",
+            entry_id=f"0-{i}",
+            submitted_at=0.0,
+            request=TeacherRequest(
+                input_ids=rng.integers(0, TINY.vocab_size, n),
+                top_k=3,
+                sample_n=2,
+                return_entropy=bool(i % 2),
+            ),
+        )
         for i, n in enumerate(lengths)
-    ]  # fmt: skip
+    ]
     return batch_from_jobs(jobs)
 
 
 def test_launched_batches_collected_out_of_order_equal_each_scored_alone(layout) -> None:
-    scorer = Scorer(model=build_model(TINY, layout), spec=TINY, layout=layout,
-                    device=torch.device("cpu"))  # fmt: skip
+    scorer = Scorer(
+        model=build_model(TINY, layout), spec=TINY, layout=layout, device=torch.device("cpu")
+    )
     a, b = _batch(1, [12, 12, 7]), _batch(2, [30, 5])
     first, second = scorer.launch(a), scorer.launch(b)
     got_b, got_a = second.result(), first.result()

@@ -23,8 +23,6 @@ from consumer.tp_ops import (
     CommStats,
     HeadOutputs,
     VocabShard,
-    chunked_head,
-    head_from_logits,
     sampling_hash,
     stream_keys,
     uniform_from_hash,
@@ -33,6 +31,7 @@ from consumer.tp_ops import (
 )
 from consumer.tp_ops.local import local_samples
 from tests.gloo import run_gloo
+from tests.helpers import chunked, head
 from tests.timing import scaled
 
 TP_SIZES = (1, 2, 4)
@@ -168,7 +167,7 @@ def _run_case(
     }
     kwargs.update(overrides)
     logits_TV = case["logits"][:, shard.start : shard.end].contiguous()
-    return head_from_logits(logits_TV=logits_TV, shard=shard, tp_group=group, **kwargs)
+    return head(logits_TV=logits_TV, shard=shard, tp_group=group, **kwargs)
 
 
 def _tp_worker(rank: int, world: int, spec: dict) -> dict:
@@ -191,7 +190,7 @@ def _tp_worker(rank: int, world: int, spec: dict) -> dict:
 
     hid = spec["hidden"]
     shard = vocab_shard(rank=rank, tp_size=world, padded_vocab=PADDED, vocab_size=VOCAB)
-    res["hidden_chunked"] = chunked_head(
+    res["hidden_chunked"] = chunked(
         hidden_TH=hid["hidden"],
         weight_VH=hid["weight"][shard.start : shard.end],
         shard=shard,
@@ -575,7 +574,7 @@ def test_sampling_follows_the_tempered_softmax(vocab, width):
     counts = {}
     for i, temperature in enumerate((0.5, 1.0, 2.0)):
         case = _one_row_case(logits_V=logits_V, temperature=temperature, rows=rows, seed=100 + i)
-        out = head_from_logits(
+        out = head(
             logits_TV=case["logits"],
             shard=shard,
             tp_group=None,
@@ -649,7 +648,7 @@ def _small_args(**overrides) -> dict:
 
 
 def test_small_args_are_valid():
-    out = head_from_logits(**_small_args())
+    out = head(**_small_args())
     assert tuple(out.topk_ids_TK.shape) == (4, 5)
 
 
@@ -696,7 +695,7 @@ _rows4 = torch.ones(4)
 )
 def test_invalid_arguments_raise(overrides, message):
     with pytest.raises(ValueError, match=message):
-        head_from_logits(**_small_args(**overrides))
+        head(**_small_args(**overrides))
 
 
 @pytest.mark.parametrize("bad", [nan, inf])
@@ -704,19 +703,19 @@ def test_nonfinite_logits_raise(bad):
     logits = torch.randn(4, 64)
     logits[2, 7] = bad
     with pytest.raises(ValueError, match="NaN or \\+inf"):
-        head_from_logits(**_small_args(logits_TV=logits))
+        head(**_small_args(logits_TV=logits))
     masked = torch.randn(4, 64)
     masked[1, :60] = -inf  # no finite logit left in row 1
     with pytest.raises(ValueError, match="first rows \\[1\\]"):
-        head_from_logits(**_small_args(logits_TV=masked, top_k=0))
+        head(**_small_args(logits_TV=masked, top_k=0))
 
 
 def test_head_outputs_map_applies_to_every_tensor():
-    out = head_from_logits(**_small_args(top_k=3, sample_n=2, want_entropy=True))
+    out = head(**_small_args(top_k=3, sample_n=2, want_entropy=True))
     doubled = out.map(lambda t: t * 2)
     for f in dataclasses.fields(out):
         assert torch.equal(getattr(doubled, f.name), getattr(out, f.name) * 2), f.name
-    no_entropy = head_from_logits(**_small_args(want_entropy=False))
+    no_entropy = head(**_small_args(want_entropy=False))
     assert no_entropy.map(lambda t: t * 2).entropy_T is None
 
 
@@ -745,13 +744,13 @@ def test_chunked_head_rejects_mismatches():
     del args["logits_TV"]
     args["shard"] = shard
     with pytest.raises(ValueError, match="disagree"):
-        chunked_head(hidden_TH=torch.zeros(4, 8), weight_VH=torch.zeros(64, 9), **args)
+        chunked(hidden_TH=torch.zeros(4, 8), weight_VH=torch.zeros(64, 9), **args)
     with pytest.raises(ValueError, match="one float dtype"):
-        chunked_head(
+        chunked(
             hidden_TH=torch.zeros(4, 8), weight_VH=torch.zeros(64, 8, dtype=torch.float64), **args
         )
     with pytest.raises(ValueError, match="width 63"):
-        chunked_head(hidden_TH=torch.zeros(4, 8), weight_VH=torch.zeros(63, 8), **args)
+        chunked(hidden_TH=torch.zeros(4, 8), weight_VH=torch.zeros(63, 8), **args)
 
 
 def _hidden_args(logits_TV: torch.Tensor) -> dict:
@@ -763,15 +762,15 @@ def _hidden_args(logits_TV: torch.Tensor) -> dict:
 
 def test_a_deferred_head_gives_the_same_outputs_and_raises_only_when_collected():
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
-    want = chunked_head(**_hidden_args(logits))
-    pending = chunked_head(**_hidden_args(logits), deferred=True)
+    want = chunked(**_hidden_args(logits))
+    pending = chunked(**_hidden_args(logits), deferred=True)
     got = pending.result()
     for f in dataclasses.fields(HeadOutputs):
         a, b = getattr(want, f.name), getattr(got, f.name)
         assert (a is None and b is None) or torch.equal(a, b), f.name
     bad = logits.clone()
     bad[2, 7] = nan
-    pending = chunked_head(**_hidden_args(bad), deferred=True)  # queued: no error yet
+    pending = chunked(**_hidden_args(bad), deferred=True)  # queued: no error yet
     with pytest.raises(ValueError, match="NaN or \\+inf"):
         pending.result()
 

@@ -26,7 +26,7 @@ from producer.trace_export import (
 from shared import tracing
 from shared.trace_store import decode_spans, encode_span, job_subset
 from shared.tracing import SpanRecord, record, span
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.timing import scaled
 
 JOB_PHASES = ["submit", "queue_wait", "claim", "pack", "forward", "head", "store", "ack"]
@@ -49,8 +49,7 @@ def simulate_job(job_id: str, batch_id: str) -> None:
         carrier = sub.carrier
         submitted_at = tracing.now()  # what encode_job stamps into the entry
     t_claim0 = tracing.now()
-    record("queue_wait", start_time=submitted_at, end_time=t_claim0, carrier=carrier,
-           job_id=job_id)  # fmt: skip
+    record("queue_wait", start_time=submitted_at, end_time=t_claim0, carrier=carrier, job_id=job_id)
     time.sleep(0.002)
     t_claim1 = tracing.now()
     record("claim", start_time=t_claim0, end_time=t_claim1, carrier=carrier, job_id=job_id)
@@ -67,11 +66,23 @@ def simulate_job(job_id: str, batch_id: str) -> None:
             r = b.child(f"rank{rank}", start_s=f0, end_s=h1, rank=rank)
             r.child("forward", start_s=0, end_s=f1 - f0)
             r.child("head", start_s=f1 - f0, end_s=h1 - f0)
-    record("pack", start_time=b.start_wall + p0, end_time=b.start_wall + f0, carrier=carrier,
-           job_id=job_id, batch_id=batch_id)  # fmt: skip
+    record(
+        "pack",
+        start_time=b.start_wall + p0,
+        end_time=b.start_wall + f0,
+        carrier=carrier,
+        job_id=job_id,
+        batch_id=batch_id,
+    )
     for name, lo, hi in (("forward", f0, f1), ("head", f1, h1)):
-        record(name, start_time=b.start_wall + lo, end_time=b.start_wall + hi, carrier=carrier,
-               job_id=job_id, batch_id=batch_id)  # fmt: skip
+        record(
+            name,
+            start_time=b.start_wall + lo,
+            end_time=b.start_wall + hi,
+            carrier=carrier,
+            job_id=job_id,
+            batch_id=batch_id,
+        )
     with span("store", carrier=carrier, job_id=job_id, batch_id=batch_id):
         time.sleep(0.001)
     with span("ack", carrier=carrier, job_id=job_id, batch_id=batch_id):
@@ -177,8 +188,14 @@ def test_chrome_containment_check_catches_a_child_outside_its_parent(records) ->
     simulate_job("job-1", "batch-1")
     view = view_of(records, "job-1", "batch-1")
     doc = to_chrome(view)
-    fwd = next(e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "head"
-               and e["args"].get("rank") is None and "job_id" not in e["args"])  # fmt: skip
+    fwd = next(
+        e
+        for e in doc["traceEvents"]
+        if e["ph"] == "X"
+        and e["name"] == "head"
+        and e["args"].get("rank") is None
+        and "job_id" not in e["args"]
+    )
     fwd["dur"] += 1e6  # one second past its rank span
     with pytest.raises(AssertionError):
         _check_chrome(doc)

@@ -327,8 +327,9 @@ def test_phase_clock_offsets_and_attached_rank_spans(records) -> None:
         assert recs[phase]["parent_span_id"] == recs["rank1"]["span_id"]
         want = recs["batch"]["start_time"] + at + flat[2 * i]
         assert recs[phase]["start_time"] == pytest.approx(want, abs=2e-6)
-        assert recs[phase]["duration_ms"] == pytest.approx((flat[2 * i + 1] - flat[2 * i]) * 1000,
-                                                           abs=2e-3)  # fmt: skip
+        assert recs[phase]["duration_ms"] == pytest.approx(
+            (flat[2 * i + 1] - flat[2 * i]) * 1000, abs=2e-3
+        )
 
 
 def test_the_sink_records_the_process_rank_for_threads_without_it() -> None:

@@ -54,13 +54,15 @@ def test_warmup_sends_every_combination_through_the_head(layout, monkeypatch) ->
     real = tp_ops.chunked_head
 
     def counting(**kwargs):
+        call = kwargs["call"]
+        width = 0 if call.target_ids_TW is None else call.target_ids_TW.shape[1]
         calls.append(
             (
-                kwargs["top_k"],
-                kwargs["sample_n"],
-                kwargs["want_entropy"],
-                kwargs["target_ids_TW"].shape[1],
-                bool((kwargs["inv_temperature_T"] != 1.0).any()),
+                call.top_k,
+                call.sample_n,
+                call.want_entropy,
+                width,
+                bool((call.inv_temperature_T != 1.0).any()),
             )
         )
         return real(**kwargs)

@@ -1,0 +1,180 @@
+"""Helpers that test modules share: import them from here, never from conftest.py (which holds
+only fixtures) or from another test module. Processes and servers are `tests/processes.py`'s,
+numeric references `tests/reference.py`'s, the tracing consumer stand-in
+`tests/trace_stand_in.py`'s.
+
+Here: the repository root; waiting for consumers; fast-failing consumer settings, job sets and
+the exactly-once check of the fault tests; request mixes; CLI error lines; head calls from
+flat keyword arguments.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from producer import TeacherClient, TeacherRequest
+from shared import keys
+from shared.settings import Settings
+from tests.timing import scaled
+
+REPO = Path(__file__).resolve().parents[1]
+K = 3  # max deliveries of `fast` settings
+TINY_VOCAB = 1000  # the tiny preset's vocabulary
+
+
+# -- consumers ------------------------------------------------------------------------------
+
+
+def wait_for_consumers(
+    settings: Settings, *, count: int, proc=None, timeout: float = scaled(120)
+) -> None:
+    """Block until `count` consumers of the queue report ready (poll: start-up only)."""
+    from producer.client import TeacherClient
+
+    client = TeacherClient(settings)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = [c for c in client.consumers().values() if c.get("state") in ("ready", "busy")]
+        if len(ready) >= count:
+            return
+        if proc is not None and proc.poll() is not None:
+            log = proc.log_path.read_text()[-3000:]
+            raise RuntimeError(f"consumer exited with {proc.returncode}:\n{log}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(ready)} of {count} consumers ready")
+        time.sleep(0.1)
+
+
+def wait_consumer_state(client, state: str, timeout: float = scaled(30)) -> None:
+    """Block until the queue's one consumer reports `state` in its heartbeat (poll)."""
+
+    def current() -> str:
+        [rec] = client.consumers().values()
+        return rec["state"]
+
+    deadline = time.monotonic() + timeout
+    while current() != state:
+        assert time.monotonic() < deadline, f"state stayed {current()}, wanted {state}"
+        time.sleep(0.1)
+
+
+# -- fault tests: settings, jobs, the exactly-once check --------------------------------------
+
+
+def fast(settings: Settings, **consumer: object) -> Settings:
+    """Settings with short timeouts so redelivery happens within seconds."""
+    base = {
+        "block_ms": 100,
+        "visibility_timeout_s": 2.0,
+        "heartbeat_interval_s": 0.3,
+        "job_timeout_s": 3.0,
+        "max_deliveries": K,
+        "batch_max_jobs": 4,
+        "token_budget": 64,
+    }
+    base.update(consumer)
+    return settings.model_copy(update={"consumer": settings.consumer.model_copy(update=base)})
+
+
+def job_set(n: int = 12, seed: int = 0) -> list[TeacherRequest]:
+    """`n` requests of 5-39 tokens with a mix of options, ids `job-<seed>-<i>`."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        length = int(rng.integers(5, 40))
+        reqs.append(
+            TeacherRequest(
+                input_ids=rng.integers(0, 500, size=length),
+                top_k=3 if i % 2 else 0,
+                sample_n=2 if i % 3 == 0 else 0,
+                return_entropy=i % 4 == 0,
+                seed=i,
+                job_id=f"job-{seed}-{i:03d}",
+            )
+        )
+    return reqs
+
+
+def assert_exactly_once(client: TeacherClient, ids: list[str], *, dead: set[str] = frozenset()):
+    """Every job has one completion, nothing is pending, dead letters are exactly `dead`."""
+    r, q = client.r, client.queue
+    done = [f[b"job_id"].decode() for _, f in r.xrange(keys.done_stream(q))]
+    assert sorted(done) == sorted(ids), "each job completes exactly once"
+    assert r.xpending(keys.jobs_stream(q), client.settings.queue.group)["pending"] == 0
+    dead_ids = {f[b"job_id"].decode() for _, f in r.xrange(keys.dead_stream(q))}
+    assert dead_ids == set(dead)
+
+
+# -- request mixes ----------------------------------------------------------------------------
+
+
+def group_jobs(
+    n: int, seed: int = 0, vocab: int = 1000, *, top_k: int = 4, prefix: str = "g"
+) -> list[TeacherRequest]:
+    """`n` requests of 4-29 random tokens, top-k and 2 samples each, ids `<prefix><seed>-<i>`."""
+    rng = np.random.default_rng(seed)
+    return [
+        TeacherRequest(
+            input_ids=rng.integers(0, vocab, size=int(rng.integers(4, 30))),
+            top_k=top_k,
+            sample_n=2,
+            seed=i,
+            job_id=f"{prefix}{seed}-{i:03d}",
+        )
+        for i in range(n)
+    ]
+
+
+def mixed_requests(rng: np.random.Generator, n: int) -> list[TeacherRequest]:
+    """`n` requests over the tiny vocabulary, with every option and labels in turn."""
+    reqs = []
+    for i in range(n):
+        length = int(rng.integers(5, 60))
+        ids = rng.integers(0, TINY_VOCAB, size=length)
+        reqs.append(
+            TeacherRequest(
+                input_ids=ids,
+                label_token_ids=rng.integers(0, TINY_VOCAB, size=(length - 1, 3))
+                if i % 2
+                else None,
+                top_k=5 if i % 3 == 0 else 0,
+                sample_n=2 if i % 4 == 0 else 0,
+                return_entropy=i % 2 == 0,
+                temperature=[1.0, 0.7, 1.5][i % 3],
+                seed=i,
+                metadata={"i": i},
+            )
+        )
+    return reqs
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The non-blank lines a CLI run wrote to stderr."""
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+# -- head calls -------------------------------------------------------------------------------
+
+
+def head(*, logits_TV: Any, **call: Any) -> Any:
+    """`tp_ops.head_from_logits` with the `HeadCall` fields given as keyword arguments."""
+    from consumer import tp_ops
+
+    return tp_ops.head_from_logits(logits_TV=logits_TV, call=tp_ops.HeadCall(**call))
+
+
+def chunked(*, hidden_TH: Any, weight_VH: Any, deferred: bool = False, **call: Any) -> Any:
+    """`tp_ops.chunked_head` with the `HeadCall` fields given as keyword arguments."""
+    from consumer import tp_ops
+
+    return tp_ops.chunked_head(
+        hidden_TH=hidden_TH, weight_VH=weight_VH, call=tp_ops.HeadCall(**call), deferred=deferred
+    )
