@@ -76,6 +76,7 @@ class Leader:
         reload: Callable[[str], tuple[Scorer, str]] | None = None,
         generation: int = 0,
         control_cursor: str = "0-0",
+        model_path: str = "",
     ) -> None:
         self.s = settings
         self.c = c = settings.consumer
@@ -83,7 +84,9 @@ class Leader:
         self.stop = stop
         self.faults = faults
         self.queue = settings.queue.name
-        self.loaded = LoadedModel(scorer=scorer, version=model_version, generation=generation)
+        self.loaded = LoadedModel(
+            scorer=scorer, version=model_version, generation=generation, path=model_path
+        )
         self.counters = Counters()
         self.streams = Streams(client, self.queue, settings.queue.group)
         layout = scorer.layout
@@ -179,6 +182,7 @@ class Leader:
             finish_inflight=self.runner.finish_inflight,
             reload=reload,
             cursor=control_cursor,
+            configured_path=settings.model.path or "",
         )
         self.janitor = Janitor(client, self.streams.jobs, interval_s=c.janitor_interval_s)
         self._counter_lock = threading.Lock()
@@ -191,6 +195,7 @@ class Leader:
         return {
             "model_version": self.loaded.version,
             "model_generation": self.loaded.generation,
+            "model_path": self.loaded.path,
             "layout": self.loaded.scorer.layout.describe(),
             "jobs_done": c.jobs_done,
             "jobs_failed": c.jobs_failed,

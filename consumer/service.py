@@ -119,12 +119,13 @@ def start_model(
     layout: ParallelLayout,
     client: redis.Redis | None,
     choice: weights.StartChoice | None,
-) -> tuple[Scorer, str, int]:
+) -> tuple[Scorer, str, int, str]:
     """Load the weights this replica starts on (`weights.start_choice`, made by the leader and
     broadcast): the queue's updated weights if any, else the configured model. If the queue's
     weights cannot be loaded, the running update is recorded as failed and the replica starts
     on the weights before it (or its configured model) instead of dying; returns scorer,
-    version and the generation served. Only the configured model failing is fatal."""
+    version, the generation served and the checkpoint path ("": the tiny preset). Only the
+    configured model failing is fatal."""
     group, device = layout.replica_group, pick_device(settings.consumer.device)
     queue = settings.queue.name
     path = broadcast_text(
@@ -144,8 +145,8 @@ def start_model(
                 generation=choice.generation,
                 model_version=loaded[1],
             )
-            return loaded[0], loaded[1], choice.generation
-        return loaded[0], loaded[1], 0
+            return loaded[0], loaded[1], choice.generation, path or settings.model.path or ""
+        return loaded[0], loaded[1], 0, path or settings.model.path or ""
     if not path:  # the configured model itself: a configuration error
         raise CheckpointLoadError(f"TEACHERQ_MODEL__PATH={settings.model.path!r}: {reason}")
     fallback = ""
@@ -180,7 +181,7 @@ def start_model(
         model_version=version,
         note=f"queue weights {path!r} failed to load",
     )
-    return scorer, version, generation
+    return scorer, version, generation, fallback or settings.model.path or ""
 
 
 class CheckpointLoadError(InvalidCheckpoint):
@@ -225,7 +226,7 @@ def run(settings: Settings) -> int:
             assert client is not None
             control_cursor = last_control_id(client, settings.queue.name)
             choice = weights.start_choice(weights.current(client, settings.queue.name))
-        scorer, version, generation = start_model(settings, layout, client, choice)
+        scorer, version, generation, model_path = start_model(settings, layout, client, choice)
         warmup(scorer)
 
         def reload(new_path: str) -> tuple[Scorer, str]:
@@ -251,6 +252,7 @@ def run(settings: Settings) -> int:
             reload=reload,
             generation=generation,
             control_cursor=control_cursor,
+            model_path=model_path,
         )
         if choice.trying_update and generation == choice.generation:
             # This replica started on the running update's weights: count it as applied.
