@@ -80,7 +80,9 @@ class Gateway:
         """The aiohttp application with every dialect's routes."""
         from producer.gateway import sglang, slime, trl, vllm
 
-        app = web.Application(client_max_size=self.g.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.g.max_body_bytes, middlewares=[_json_not_found]
+        )
         app.router.add_post("/generate", self.route("slime", self._generate))
         for module in (slime, sglang, vllm, trl):
             module.add_routes(app, self)
@@ -280,6 +282,17 @@ class Gateway:
 def new_job_id() -> str:
     """A fresh job id for a gateway request (never shared: cancelling it hurts nobody else)."""
     return f"gw-{uuid.uuid4().hex}"
+
+
+@web.middleware
+async def _json_not_found(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown routes and methods answer JSON, as every other error does."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        return json_response(
+            {"error": f"no route {request.method} {request.path}"}, status=exc.status
+        )
 
 
 def _trace_header(request: web.Request) -> dict[str, str] | None:
