@@ -3,7 +3,6 @@ slime's Megatron teacher server, over a real valkey-server and real consumer pro
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -20,46 +19,17 @@ import pytest
 
 from producer import TeacherClient
 from shared import keys
-from shared.redis_server import free_port
 from shared.settings import Settings, to_env
 from shared.trace_store import TraceStore
 from shared.weights import request_update
 from tests.conftest import REPO
+from tests.gateway import Http, launch_gateway
 from tests.integration.test_faults import fast
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
 
 pytestmark = pytest.mark.integration
 
 TRAINER_TRACE, TRAINER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-
-
-class Http:
-    """A tiny JSON client of the gateway."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        raw: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=180)
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        headers = {
-            **({"Content-Type": "application/json"} if data is not None else {}),
-            **(headers or {}),
-        }
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        out = json.loads(resp.read())
-        self.headers = resp.headers  # of the last response
-        conn.close()
-        return resp.status, out
 
 
 GatewayFactory = Callable[..., Http]
@@ -82,28 +52,11 @@ def start_gateway(tmp_path: Path) -> Iterator[GatewayFactory]:
     procs: list[subprocess.Popen] = []
 
     def start(settings: Settings, *args: str) -> Http:
-        port = free_port()
-        env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
-        log = open(tmp_path / f"gateway-{len(procs)}.log", "w")  # noqa: SIM115 - kept open for the process
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "serve", "--port", str(port), *args],
-            env=env,
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        proc, client = launch_gateway(
+            settings, tmp_path / f"gateway-{len(procs)}.log", *args, cwd=tmp_path
         )
         procs.append(proc)
-        client = Http(port)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if client.call("GET", "/healthz")[0] == 200:
-                    return client
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start:\n{Path(log.name).read_text()}")
-            time.sleep(0.1)
+        return client
 
     yield start
     for p in procs:
