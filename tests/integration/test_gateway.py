@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.conftest import REPO
 from tests.gateway import Http, launch_gateway
 from tests.integration.test_faults import fast
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +58,7 @@ def start_gateway(tmp_path: Path) -> Iterator[GatewayFactory]:
             settings, tmp_path / f"gateway-{len(procs)}.log", *args, cwd=tmp_path
         )
         procs.append(proc)
+        client.proc = proc  # type: ignore[attr-defined]  # for tests that signal it
         return client
 
     yield start
@@ -265,3 +268,53 @@ def test_serve_on_a_taken_port_is_one_line_and_exit_2(settings) -> None:
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], run.stderr
     assert "TEACHERQ_GATEWAY__PORT" in lines[0]
+
+
+def test_limits_deadline_and_drain_on_sigterm(settings, start_consumer, start_gateway) -> None:
+    """A body over gateway.max_body_bytes gets 413 naming the setting; a request past its
+    own timeout_s gets 504 naming it; on SIGTERM the gateway stops accepting connections but
+    a request in flight (its job waiting for a consumer) is still answered, value for value
+    as the queue computes it, and the process then exits 0."""
+    s = settings.model_copy(
+        update={
+            "gateway": settings.gateway.model_copy(
+                update={"max_body_bytes": 2048, "shutdown_grace_s": scaled(240)}
+            )
+        }
+    )
+    gw = start_gateway(s)
+    status, out = gw.call("POST", "/generate", {"input_ids": [1] * 2000})
+    assert status == 413 and "gateway.max_body_bytes=2048" in out["error"], out
+    status, out = gw.call("POST", "/generate", {"input_ids": [1, 2, 3], "timeout_s": 0.5})
+    assert status == 504 and "timeout_s=0.5" in out["error"], out
+
+    ids = [5, 6, 7, 8]
+    answer: dict[str, Any] = {}
+    waiting = threading.Thread(
+        target=lambda: answer.update(
+            zip(("status", "body"), gw.call("POST", "/generate", {"input_ids": ids}), strict=True)
+        ),
+    )
+    waiting.start()
+    queued = lambda: gw.call("GET", "/get_loads")[1]["queue_size"] >= 2  # noqa: E731
+    wait_until(queued, "the in-flight request's job in the queue")
+    gw.proc.send_signal(signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", gw.port), timeout=1).close()
+        except OSError:
+            return True
+        return False
+
+    wait_until(refused, "the gateway to stop accepting connections")
+    assert waiting.is_alive(), "the in-flight request must wait for its job, not be dropped"
+    start_consumer(s)
+    waiting.join(timeout=scaled(120))
+    assert answer.get("status") == 200, answer
+    np.testing.assert_allclose(
+        answer["body"]["log_probs"],
+        tiny_full_log_softmax(np.array(ids))[np.arange(3), ids[1:]],
+        atol=2e-4,
+    )
+    assert gw.proc.wait(timeout=scaled(60)) == 0
