@@ -53,7 +53,8 @@ class Jobs:
         self._reader: asyncio.Task[None] | None = None
         self._listening = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
-        self.batches = 0  # submit calls made (tests and the benchmark read it)
+        self.submits = 0  # submit calls made (reported by /get_loads)
+        self.submitted = 0  # jobs they carried
 
     async def start(self) -> None:
         """Start the completion reader (before any job is submitted)."""
@@ -126,7 +127,8 @@ class Jobs:
         try:
             reqs = await self._fresh([r for p in batch for r in p.requests])
             await self.client.submit(reqs)
-            self.batches += 1
+            self.submits += 1
+            self.submitted += len(reqs)
         except (InvalidJob, QueueFull) as exc:
             if len(batch) == 1:
                 _settle(batch[0].done, exc)

@@ -80,9 +80,7 @@ class Gateway:
         """The aiohttp application with every dialect's routes."""
         from producer.gateway import sglang, slime, trl, vllm
 
-        app = web.Application(
-            client_max_size=self.g.max_body_bytes, middlewares=[_json_not_found]
-        )
+        app = web.Application(client_max_size=self.g.max_body_bytes, middlewares=[_json_not_found])
         app.router.add_post("/generate", self.route("slime", self._generate))
         for module in (slime, sglang, vllm, trl):
             module.add_routes(app, self)

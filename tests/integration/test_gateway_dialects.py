@@ -526,8 +526,13 @@ def test_burst_of_4096_requests_across_dialects(served: Served) -> None:
 
             return await asyncio.gather(*(one(i) for i in range(4096)))
 
+    before = served.http.call("GET", "/get_loads")[1]
     answers = asyncio.run(burst())
     assert [s for s, _ in answers].count(200) == 4096, [a for a in answers if a[0] != 200][:3]
+    after = served.http.call("GET", "/get_loads")[1]
+    jobs = after["gateway_jobs"] - before["gateway_jobs"]
+    submits = after["gateway_submits"] - before["gateway_submits"]
+    assert jobs == 4096 and submits <= jobs / 8, (submits, jobs)  # batched, not one each
     for i, (_, body) in enumerate(answers):
         ref = refs[i % len(prompts)]
         want = ref.topk_logprobs[:, 0] if i % 4 == 3 else ref.logprobs
