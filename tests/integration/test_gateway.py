@@ -208,15 +208,19 @@ def teachers(hf_checkpoint):
 
 
 def test_update_weights_from_disk(settings, start_consumer, start_gateway, teachers) -> None:
-    """slime's update semantics on the queue's weight path: the loaded path is skipped, another
-    path while one is in progress gets 409, the same path coalesces, and after the update
-    /generate is computed by the new weights (the same tokens too)."""
+    """slime's update semantics on the queue's weight path: the path the consumers serve is
+    skipped (their heartbeats say so: the gateway's own TEACHERQ_MODEL__PATH is unset here),
+    another path while one is in progress gets 409, the same path coalesces, and after the
+    update /generate is computed by the new weights (the same tokens too) and /info's
+    args.load names them."""
     a, b = teachers
     s = fast(settings).model_copy(
         update={"model": settings.model.model_copy(update={"path": str(a)})}
     )
     start_consumer(s)
-    gw = start_gateway(s)
+    gw = start_gateway(fast(settings))  # knows nothing of A: what is served comes from Redis
+    status, info = gw.call("GET", "/info")
+    assert info["args"]["load"] == str(a), info
     ids = [5, 6, 7, 8, 9]
     status, before = gw.call("POST", "/generate", {"input_ids": ids})
     assert status == 200 and before["model_generation"] == 0
