@@ -10,12 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
-import os
-import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,12 +20,9 @@ import openai
 import pytest
 import requests
 
-from producer import TeacherClient, TeacherRequest
+from producer import TeacherRequest
 from shared.messages import TeacherResult
-from shared.settings import Settings, to_env
-from tests.conftest import REPO, wait_for_consumers
-from tests.gateway import Http, launch_gateway
-from tests.processes import stop_all
+from tests.gateway import Served, serve_queue
 from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
@@ -40,53 +32,14 @@ IDS = [3, 14, 15, 92, 65, 35, 89, 79]
 IDS2 = [2, 71, 82, 81, 8]
 
 
-@dataclass
-class Served:
-    settings: Settings
-    http: Http
-    client: TeacherClient
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http.port}"
-
-    def reference(self, **fields: Any) -> TeacherResult:
-        """The queue's own result for a request (submitted with TeacherClient)."""
-        [res] = self.references([TeacherRequest(**fields)])
-        return res
-
-    def references(self, reqs: list[TeacherRequest]) -> list[TeacherResult]:
-        """The queue's own results for requests, submitted together."""
-        out = self.client.wait(self.client.submit(reqs), timeout=scaled(120))
-        assert all(r.ok for r in out), [r.error for r in out if not r.ok]
-        return out
-
-
 @pytest.fixture(scope="module")
 def served(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One consumer (the tiny preset) and one gateway on a queue of this module."""
-    tmp = tmp_path_factory.mktemp("dialects")
-    s = Settings(
-        redis={"url": redis_url, "home": str(tmp / "home")},
-        queue={"name": f"t{uuid.uuid4().hex[:10]}"},
-        storage={"url": f"file://{tmp / 'objects'}"},
-        consumer={"block_ms": 200, "batch_max_jobs": 1024},  # the burst: few, large batches
-        log={"format": "json"},
-    )
-    env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
-    log = open(tmp / "consumer.log", "w")  # noqa: SIM115 - kept open for the process
-    consumer = subprocess.Popen(
-        [sys.executable, "-m", "consumer"], env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT
-    )
-    consumer.log_path = tmp / "consumer.log"  # type: ignore[attr-defined]  # for failures
-    procs = [consumer]
-    try:
-        wait_for_consumers(s, count=1, proc=consumer)
-        gateway, http = launch_gateway(s, tmp / "gateway.log", cwd=tmp)
-        procs.append(gateway)
-        yield Served(s, http, TeacherClient(s, trace_process=None))
-    finally:
-        stop_all(procs)
+    """One consumer (the tiny preset, large batches for the burst) and one gateway on a queue
+    of this module."""
+    with serve_queue(
+        redis_url, tmp_path_factory.mktemp("dialects"), consumer={"batch_max_jobs": 1024}
+    ) as served:
+        yield served
 
 
 def test_sglang_opd_request_as_slime_sends_it(served: Served) -> None:
