@@ -86,9 +86,9 @@ class Jobs:
         loop = asyncio.get_running_loop()
         ids = [r.job_id or "" for r in requests]
         assert all(ids), "the gateway names every job before submitting it"
-        futures = [self._waiting.setdefault(j, loop.create_future()) for j in ids]  # type: ignore[arg-type]
+        futures = [self._waiting.setdefault(j, loop.create_future()) for j in ids]
+        pending = _Pending(list(requests), loop.create_future())
         try:
-            pending = _Pending(list(requests), loop.create_future())
             self._enqueue(pending)
             try:
                 await asyncio.shield(pending.done)
@@ -96,14 +96,14 @@ class Jobs:
                 # Submitted or not yet: the jobs are cancelled once they are in the queue.
                 pending.done.add_done_callback(lambda f: self._cancel_later(f, own_ids))
                 raise
-            if own_ids:  # submitted before: its result may exist already
-                await self._deliver([j for j in ids if j in own_ids])
-            async with asyncio.timeout(timeout):
-                return list(await asyncio.gather(*(asyncio.shield(f) for f in futures)))
-        except asyncio.CancelledError:
-            if pending.done.done():
+            try:
+                if own_ids:  # submitted before: its result may exist already
+                    await self._deliver([j for j in ids if j in own_ids])
+                async with asyncio.timeout(timeout):
+                    return list(await asyncio.gather(*(asyncio.shield(f) for f in futures)))
+            except asyncio.CancelledError:
                 self._cancel_later(pending.done, own_ids)
-            raise
+                raise
         finally:
             for j, f in zip(ids, futures, strict=True):
                 if self._waiting.get(j) is f:
