@@ -276,9 +276,10 @@ def test_serve_on_a_taken_port_is_one_line_and_exit_2(settings) -> None:
 
 def test_limits_deadline_and_drain_on_sigterm(settings, start_consumer, start_gateway) -> None:
     """A body over gateway.max_body_bytes gets 413 naming the setting; a request past its
-    own timeout_s gets 504 naming it; on SIGTERM the gateway stops accepting connections but
-    a request in flight (its job waiting for a consumer) is still answered, value for value
-    as the queue computes it, and the process then exits 0."""
+    own timeout_s gets 504 naming it; a client that leaves during a TRL request of two
+    sequences cancels both jobs; on SIGTERM the gateway stops accepting connections but a
+    request in flight (its job waiting for a consumer) is still answered, value for value as
+    the queue computes it, and the process then exits 0."""
     s = settings.model_copy(
         update={
             "gateway": settings.gateway.model_copy(
@@ -292,6 +293,25 @@ def test_limits_deadline_and_drain_on_sigterm(settings, start_consumer, start_ga
     status, out = gw.call("POST", "/generate", {"input_ids": [1, 2, 3], "timeout_s": 0.5})
     assert status == 504 and "timeout_s=0.5" in out["error"], out
 
+    def submitted() -> int:
+        return gw.call("GET", "/get_loads")[1]["gateway_jobs"]
+
+    sock = socket.create_connection(("127.0.0.1", gw.port))
+    body = json.dumps(
+        {"sequences": [[4, 5, 6], [7, 8, 9]], "prompt_lengths": [1, 1], "top_logprobs": 1}
+    ).encode()
+    sock.sendall(
+        b"POST /get_sequence_logprobs/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: submitted() >= 3, "the TRL request's two jobs submitted")
+    sock.close()
+    gone = wait_until(
+        lambda: len(names := _results_named(s, "gw-")) == 2 and names, "both jobs cancelled"
+    )
+    assert all(r and r.error == "cancelled by the user" for r in TeacherClient(s).results(gone))
+
     ids = [5, 6, 7, 8]
     answer: dict[str, Any] = {}
     waiting = threading.Thread(
@@ -300,8 +320,7 @@ def test_limits_deadline_and_drain_on_sigterm(settings, start_consumer, start_ga
         ),
     )
     waiting.start()
-    queued = lambda: gw.call("GET", "/get_loads")[1]["queue_size"] >= 2  # noqa: E731
-    wait_until(queued, "the in-flight request's job in the queue")
+    wait_until(lambda: submitted() >= 4, "the in-flight request's job in the queue")
     gw.proc.send_signal(signal.SIGTERM)
 
     def refused() -> bool:
