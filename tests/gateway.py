@@ -109,13 +109,17 @@ class Served:
 
 @contextlib.contextmanager
 def serve_queue(
-    redis_url: str, tmp: Path, *, consumer: dict[str, Any] | None = None
+    redis_url: str,
+    tmp: Path,
+    *,
+    consumer: dict[str, Any] | None = None,
+    queue: dict[str, Any] | None = None,
 ) -> Iterator[Served]:
-    """A fresh queue on `redis_url` with one consumer process (the tiny preset; `consumer`:
-    more consumer settings) and one gateway process, both stopped on exit."""
+    """A fresh queue on `redis_url` with one consumer process (the tiny preset; `consumer`,
+    `queue`: more settings) and one gateway process, both stopped on exit."""
     s = Settings(
         redis={"url": redis_url, "home": str(tmp / "home")},
-        queue={"name": f"t{uuid.uuid4().hex[:10]}"},
+        queue={"name": f"t{uuid.uuid4().hex[:10]}", **(queue or {})},
         storage={"url": f"file://{tmp / 'objects'}"},
         consumer={"block_ms": 200, **(consumer or {})},
         log={"format": "json"},

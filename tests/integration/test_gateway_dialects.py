@@ -37,7 +37,10 @@ def served(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """One consumer (the tiny preset, large batches for the burst) and one gateway on a queue
     of this module."""
     with serve_queue(
-        redis_url, tmp_path_factory.mktemp("dialects"), consumer={"batch_max_jobs": 1024}
+        redis_url,
+        tmp_path_factory.mktemp("dialects"),
+        consumer={"batch_max_jobs": 1024},
+        queue={"trace_sample_rate": 0.0},  # no spans recorded: this module reads answers only
     ) as served:
         yield served
 
