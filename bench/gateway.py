@@ -120,7 +120,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _run(args: argparse.Namespace, settings: Settings, url: str) -> None:
     rng = np.random.default_rng(0)
-    client = AsyncTeacherClient(settings, trace_process=None)
+    client = AsyncTeacherClient(settings)  # records its submit spans, as the gateway's does
     conn = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(
         connector=conn, timeout=aiohttp.ClientTimeout(total=900)
@@ -153,8 +153,11 @@ async def _run(args: argparse.Namespace, settings: Settings, url: str) -> None:
                     t0 = time.perf_counter()
                     lat[path] += await batch(path, n, args.concurrency)
                     wall[path] += time.perf_counter() - t0
-                    for _ in range(4 if big else 16):  # one request in flight: added latency
-                        solo[path] += await batch(path, 1, 1)
+            # One request in flight, the paths alternating request by request: both sample
+            # the same consumer (its batch cycle makes single-request latency bimodal).
+            for _ in range(args.solo // 8 if big else args.solo):
+                for path in ("direct", "gateway"):
+                    solo[path] += await batch(path, 1, 1)
             rps = {p: len(lat[p]) / wall[p] for p in lat}
             for p in ("direct", "gateway"):
                 print(
@@ -200,6 +203,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256, help="small requests per round and path")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--solo", type=int, default=64, help="single requests per path (small)")
+    ap.add_argument("--coalesce-ms", type=float, default=None, help="gateway.coalesce_ms")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="teacherq-bench-gateway-"))
@@ -210,6 +215,7 @@ def main() -> None:
         queue={"name": "bench"},
         storage={"url": f"file://{tmp / 'objects'}"},
         consumer={"block_ms": 50, "batch_max_jobs": 256},
+        gateway={} if args.coalesce_ms is None else {"coalesce_ms": args.coalesce_ms},
         log={"format": "json", "level": "warning"},
     )
     env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
