@@ -31,6 +31,7 @@ from aiohttp import web
 
 from producer.gateway.common import (
     HttpError,
+    gc_paused,
     input_temperature,
     int_field,
     positive,
@@ -112,7 +113,8 @@ async def _generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) 
         timeout_s=positive(payload.get("timeout_s"), "timeout_s"),
     )
     latency = time.time() - started
-    out = [it.answer(res, latency) for it, res in zip(items, results, strict=True)]
+    with gc_paused():
+        out = [it.answer(res, latency) for it, res in zip(items, results, strict=True)]
     return gw.respond(request, out if batch else out[0])
 
 

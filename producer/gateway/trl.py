@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from producer.gateway.common import HttpError, input_temperature, int_field, positive, token_ids
+from producer.gateway.common import (
+    HttpError,
+    gc_paused,
+    input_temperature,
+    int_field,
+    positive,
+    token_ids,
+)
 from producer.gateway.server import Gateway, new_job_id
 from shared.errors import InvalidJob
 from shared.messages import TeacherRequest, TeacherResult, parse_request
@@ -85,7 +92,9 @@ async def _sequence_logprobs(
     )
     if fmt == "binary":
         return gw.respond(request, _binary(reqs, lengths, results, k))
-    return gw.respond(request, _json(reqs, lengths, results))
+    with gc_paused():
+        body = _json(reqs, lengths, results)
+    return gw.respond(request, body)
 
 
 def _json(

@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from producer.gateway.common import HttpError, input_temperature, int_field, positive, token_ids
+from producer.gateway.common import (
+    HttpError,
+    gc_paused,
+    input_temperature,
+    int_field,
+    positive,
+    token_ids,
+)
 from producer.gateway.server import Gateway, new_job_id
 from shared.errors import InvalidJob
 from shared.messages import TeacherRequest, TeacherResult, parse_request
@@ -180,25 +187,10 @@ async def _completions(gw: Gateway, request: web.Request, payload: dict[str, Any
     )
     choices = []
     total = 0
-    for i, (req, res) in enumerate(zip(reqs, results, strict=True)):
-        total += req.num_tokens
-        choice: dict[str, Any] = {
-            "index": i,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "prompt_logprobs": prompt_logprobs(req.input_ids, res, k) if k >= 0 else None,
-        }
-        if n_top >= 0:
-            choice["logprobs"] = (
-                _echo_logprobs(req.input_ids, res, n_top)
-                if echo
-                else {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-            )
-        if payload.get("return_token_ids"):
-            choice.update(prompt_token_ids=req.input_ids.tolist(), token_ids=[])
-        choices.append(choice)
+    with gc_paused():
+        for i, (req, res) in enumerate(zip(reqs, results, strict=True)):
+            total += req.num_tokens
+            choices.append(_choice(i, req, res, payload, k, n_top, echo))
     return gw.respond(
         request,
         {
@@ -210,6 +202,35 @@ async def _completions(gw: Gateway, request: web.Request, payload: dict[str, Any
             "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total},
         },
     )
+
+
+def _choice(
+    i: int,
+    req: TeacherRequest,
+    res: TeacherResult,
+    payload: dict[str, Any],
+    k: int,
+    n_top: int,
+    echo: bool,
+) -> dict[str, Any]:
+    """One choice of a completions answer."""
+    choice: dict[str, Any] = {
+        "index": i,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "prompt_logprobs": prompt_logprobs(req.input_ids, res, k) if k >= 0 else None,
+    }
+    if n_top >= 0:
+        choice["logprobs"] = (
+            _echo_logprobs(req.input_ids, res, n_top)
+            if echo
+            else {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        )
+    if payload.get("return_token_ids"):
+        choice.update(prompt_token_ids=req.input_ids.tolist(), token_ids=[])
+    return choice
 
 
 async def _generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) -> web.Response:
@@ -229,12 +250,14 @@ async def _generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) 
         span_name="vllm.generate",
         timeout_s=positive(payload.get("timeout_s"), "timeout_s"),
     )
+    with gc_paused():
+        plp = prompt_logprobs(req.input_ids, res, k) if k >= 0 else None
     return gw.respond(
         request,
         {
             "request_id": payload.get("request_id") or req.job_id,
             "choices": [{"index": 0, "logprobs": None, "finish_reason": "length", "token_ids": []}],
-            "prompt_logprobs": prompt_logprobs(req.input_ids, res, k) if k >= 0 else None,
+            "prompt_logprobs": plp,
             "kv_transfer_params": None,
         },
     )
