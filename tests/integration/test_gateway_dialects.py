@@ -23,7 +23,7 @@ import requests
 from producer import TeacherRequest
 from shared.messages import TeacherResult
 from tests.gateway import Served, serve_queue
-from tests.timing import scaled
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -421,8 +421,11 @@ def test_slime_coercions_and_zero_width_labels(served: Served) -> None:
         "POST", "/generate", {"input_ids": IDS, "label_token_ids": [[] for _ in IDS[1:]]}
     )
     assert status == 200 and out["label_token_log_probs"] == [[]] * (len(IDS) - 1), out
-    status, loads = served.http.call("GET", "/get_loads")
-    assert status == 200 and loads["total_finished_tokens"] > 0
+    # The consumers' token counters reach Redis with their next heartbeat.
+    wait_until(
+        lambda: served.http.call("GET", "/get_loads")[1]["total_finished_tokens"] > 0,
+        "total_finished_tokens counting the scored tokens",
+    )
 
 
 def test_burst_of_4096_requests_across_dialects(served: Served) -> None:
