@@ -51,6 +51,7 @@ class Control:
         finish_inflight: Callable[[], None],
         reload: Callable[[str], tuple[Scorer, str]] | None,
         cursor: str = "0-0",
+        configured_path: str = "",
     ) -> None:
         self.c = settings
         self.r = client
@@ -62,6 +63,7 @@ class Control:
         self.finish_inflight = finish_inflight
         self.reload = reload
         self.cursor = cursor
+        self.configured_path = configured_path  # what a reset ("" path) goes back to
         self.asleep = False
         self._idle_since = time.monotonic()
         self.updated_to: int | None = None  # generation this replica loaded by an update
@@ -81,6 +83,7 @@ class Control:
             mapping={
                 "vocab_size": spec.vocab_size,
                 "version": self.loaded.version,
+                "path": self.loaded.path,
                 "max_input_tokens": spec.max_input_tokens,
             },
         )
@@ -209,6 +212,7 @@ class Control:
                 "gap_s": round(time.monotonic() - drained, 3),
                 "drain_s": round(drained - started, 3),
             }
+            self.loaded.path = path or self.configured_path
         if was_asleep:
             self.sleep()
         self.heartbeat.state = "sleeping" if self.asleep else "ready"

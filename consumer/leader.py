@@ -77,6 +77,7 @@ class Leader:
         generation: int = 0,
         control_cursor: str = "0-0",
         ready_phases: Callable[[], dict[str, float]] | None = None,
+        model_path: str = "",
     ) -> None:
         self.s = settings
         self._ready_phases = ready_phases  # seconds per start-up phase, for consumer.ready
@@ -85,7 +86,9 @@ class Leader:
         self.stop = stop
         self.faults = faults
         self.queue = settings.queue.name
-        self.loaded = LoadedModel(scorer=scorer, version=model_version, generation=generation)
+        self.loaded = LoadedModel(
+            scorer=scorer, version=model_version, generation=generation, path=model_path
+        )
         self.counters = Counters()
         self.streams = Streams(client, self.queue, settings.queue.group)
         layout = scorer.layout
@@ -181,6 +184,7 @@ class Leader:
             finish_inflight=self.runner.finish_inflight,
             reload=reload,
             cursor=control_cursor,
+            configured_path=settings.model.path or "",
         )
         self.janitor = Janitor(client, self.streams.jobs, interval_s=c.janitor_interval_s)
         self._counter_lock = threading.Lock()
@@ -193,6 +197,7 @@ class Leader:
         return {
             "model_version": self.loaded.version,
             "model_generation": self.loaded.generation,
+            "model_path": self.loaded.path,
             "layout": self.loaded.scorer.layout.describe(),
             "jobs_done": c.jobs_done,
             "jobs_failed": c.jobs_failed,

@@ -15,6 +15,7 @@ class LoadedModel:
     scorer: Scorer
     version: str
     generation: int = 0
+    path: str = ""  # the checkpoint served ("": the built-in tiny preset), in heartbeats
 
 
 @dataclass

@@ -310,6 +310,7 @@ def run(
             generation=generation,
             control_cursor=control_cursor,
             ready_phases=ready_phases,
+            model_path=served_path or settings.model.path or "",
         )
         if choice.trying_update and generation == choice.generation:
             # This replica started on the running update's weights: count it as applied.

@@ -332,6 +332,12 @@ class AsyncTeacherClient:
                     raise TimeoutError(f"{len(pending)} of {total} jobs not done") from None
                 check = [j for j in announced if j in pending]
 
+    def watch(self) -> contextlib.AbstractAsyncContextManager[_Subscription]:
+        """Every job id announced on the queue's completion stream while the block runs:
+        `await sub.next()` returns the ids announced since the last call (the same single
+        reader as `wait` serves it; the HTTP gateway waits for all its requests this way)."""
+        return self._completions.subscribe(None)
+
     async def cancel(self, job_id: str) -> None:
         """Cancel a job: it is not computed if not started yet, and a result it already has
         is replaced by a `cancelled` failure. Waiters get that failure. Raises `UnknownJob`

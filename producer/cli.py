@@ -276,9 +276,12 @@ def update_weights(
 def serve(
     host: str = typer.Option(None, help="Listen address (default: gateway.host)."),
     port: int = typer.Option(None, help="Port (default: gateway.port, 7999)."),
-    temperature: float = typer.Option(None, help="Default temperature of /generate."),
+    temperature: float = typer.Option(
+        None, help="Temperature of slime's /generate (its --rollout-temperature)."
+    ),
 ) -> None:
-    """HTTP gateway in the API of slime's Megatron teacher server (docs/gateway.md)."""
+    """HTTP gateway in the dialects trainers call: slime's teacher server, SGLang, vLLM, TRL
+    (docs/gateway.md)."""
     from pydantic import ValidationError
 
     from producer.gateway import Gateway, ListenError

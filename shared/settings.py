@@ -382,6 +382,21 @@ class GatewaySettings(_Section):
     """How long `/update_weights_from_disk` waits for every replica (a request's `timeout_s`
     overrides it) before answering 503."""
 
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (413 above it); slime's server takes 64 MiB."""
+
+    backlog: int = Field(default=2048, ge=1)
+    """Listen backlog: connections a burst may open before the gateway accepts them (the
+    kernel caps it at net.core.somaxconn)."""
+
+    coalesce_ms: float = Field(default=1.0, ge=0)
+    """Requests arriving within this window of each other are submitted in one batch (one
+    set of Redis round trips); 0: those of the same event-loop tick."""
+
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM the gateway stops accepting and gives requests in flight this long to be
+    answered; those still waiting then are cancelled with their jobs."""
+
 
 class Settings(BaseSettings):
     """The whole teacherq configuration."""

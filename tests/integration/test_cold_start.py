@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from producer import TeacherClient, TeacherRequest
-from tests.integration.test_faults import fast
+from tests.helpers import fast
 from tests.reference import hf_token_logprobs
 from tests.timing import scaled, wait_until
 

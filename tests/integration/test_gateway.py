@@ -3,13 +3,13 @@ slime's Megatron teacher server, over a real valkey-server and real consumer pro
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,45 +20,17 @@ import pytest
 
 from producer import TeacherClient
 from shared import keys
-from shared.redis_server import free_port
 from shared.settings import Settings, to_env
 from shared.trace_store import TraceStore
 from shared.weights import request_update
+from tests.gateway import Http, launch_gateway
 from tests.helpers import REPO, fast
 from tests.reference import hf_token_logprobs, tiny_full_log_softmax
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
 TRAINER_TRACE, TRAINER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-
-
-class Http:
-    """A tiny JSON client of the gateway."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        raw: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=180)
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        headers = {
-            **({"Content-Type": "application/json"} if data is not None else {}),
-            **(headers or {}),
-        }
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        out = json.loads(resp.read())
-        self.headers = resp.headers  # of the last response
-        conn.close()
-        return resp.status, out
 
 
 GatewayFactory = Callable[..., Http]
@@ -67,7 +39,7 @@ GatewayFactory = Callable[..., Http]
 def _job_spans(s: Settings, job_id: str, names: set[str]) -> dict[str, dict[str, Any]]:
     """A job's spans by name, once those named are recorded (within 10 s)."""
     store = TraceStore(TeacherClient(s).r, s.queue.name)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while True:
         spans = {x["name"]: x for x in store.job_spans(job_id)}
         if names <= set(spans) or time.monotonic() > deadline:
@@ -81,35 +53,19 @@ def start_gateway(tmp_path: Path) -> Iterator[GatewayFactory]:
     procs: list[subprocess.Popen] = []
 
     def start(settings: Settings, *args: str) -> Http:
-        port = free_port()
-        env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
-        log = open(tmp_path / f"gateway-{len(procs)}.log", "w")  # noqa: SIM115 - kept open for the process
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "serve", "--port", str(port), *args],
-            env=env,
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        proc, client = launch_gateway(
+            settings, tmp_path / f"gateway-{len(procs)}.log", *args, cwd=tmp_path
         )
         procs.append(proc)
-        client = Http(port)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if client.call("GET", "/healthz")[0] == 200:
-                    return client
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start:\n{Path(log.name).read_text()}")
-            time.sleep(0.1)
+        client.proc = proc  # type: ignore[attr-defined]  # for tests that signal it
+        return client
 
     yield start
     for p in procs:
         p.send_signal(signal.SIGTERM)
     for p in procs:
         try:
-            assert p.wait(timeout=20) == 0, "the gateway should exit cleanly on SIGTERM"
+            assert p.wait(timeout=scaled(20)) == 0, "the gateway should exit cleanly on SIGTERM"
         except subprocess.TimeoutExpired:
             p.kill()
             raise
@@ -157,10 +113,11 @@ def test_generate_errors_loads_and_disconnect(settings, start_consumer, start_ga
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    time.sleep(1.0)  # submitted, waiting
+    client = TeacherClient(s)
+    wait_until(lambda: client.status()["queued"] >= 1, "the request submitted", timeout=30)
     assert not _results_named(s, "gw-")
     sock.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not _results_named(s, "gw-") and time.monotonic() < deadline:
         time.sleep(0.1)
     [gone] = _results_named(s, "gw-")
@@ -251,15 +208,19 @@ def teachers(hf_checkpoint):
 
 
 def test_update_weights_from_disk(settings, start_consumer, start_gateway, teachers) -> None:
-    """slime's update semantics on the queue's weight path: the loaded path is skipped, another
-    path while one is in progress gets 409, the same path coalesces, and after the update
-    /generate is computed by the new weights (the same tokens too)."""
+    """slime's update semantics on the queue's weight path: the path the consumers serve is
+    skipped (their heartbeats say so: the gateway's own TEACHERQ_MODEL__PATH is unset here),
+    another path while one is in progress gets 409, the same path coalesces, and after the
+    update /generate is computed by the new weights (the same tokens too) and /info's
+    args.load names them."""
     a, b = teachers
     s = fast(settings).model_copy(
         update={"model": settings.model.model_copy(update={"path": str(a)})}
     )
     start_consumer(s)
-    gw = start_gateway(s)
+    gw = start_gateway(fast(settings))  # knows nothing of A: what is served comes from Redis
+    status, info = gw.call("GET", "/info")
+    assert info["args"]["load"] == str(a), info
     ids = [5, 6, 7, 8, 9]
     status, before = gw.call("POST", "/generate", {"input_ids": ids})
     assert status == 200 and before["model_generation"] == 0
@@ -303,7 +264,7 @@ def test_serve_on_a_taken_port_is_one_line_and_exit_2(settings) -> None:
             env=env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
         )
     finally:
         taken.close()
@@ -311,3 +272,72 @@ def test_serve_on_a_taken_port_is_one_line_and_exit_2(settings) -> None:
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], run.stderr
     assert "TEACHERQ_GATEWAY__PORT" in lines[0]
+
+
+def test_limits_deadline_and_drain_on_sigterm(settings, start_consumer, start_gateway) -> None:
+    """A body over gateway.max_body_bytes gets 413 naming the setting; a request past its
+    own timeout_s gets 504 naming it; a client that leaves during a TRL request of two
+    sequences cancels both jobs; on SIGTERM the gateway stops accepting connections but a
+    request in flight (its job waiting for a consumer) is still answered, value for value as
+    the queue computes it, and the process then exits 0."""
+    s = settings.model_copy(
+        update={
+            "gateway": settings.gateway.model_copy(
+                update={"max_body_bytes": 2048, "shutdown_grace_s": scaled(240)}
+            )
+        }
+    )
+    gw = start_gateway(s)
+    status, out = gw.call("POST", "/generate", {"input_ids": [1] * 2000})
+    assert status == 413 and "gateway.max_body_bytes=2048" in out["error"], out
+    status, out = gw.call("POST", "/generate", {"input_ids": [1, 2, 3], "timeout_s": 0.5})
+    assert status == 504 and "timeout_s=0.5" in out["error"], out
+
+    def submitted() -> int:
+        return gw.call("GET", "/get_loads")[1]["gateway_jobs"]
+
+    sock = socket.create_connection(("127.0.0.1", gw.port))
+    body = json.dumps(
+        {"sequences": [[4, 5, 6], [7, 8, 9]], "prompt_lengths": [1, 1], "top_logprobs": 1}
+    ).encode()
+    sock.sendall(
+        b"POST /get_sequence_logprobs/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: submitted() >= 3, "the TRL request's two jobs submitted")
+    sock.close()
+    gone = wait_until(
+        lambda: len(names := _results_named(s, "gw-")) == 2 and names, "both jobs cancelled"
+    )
+    assert all(r and r.error == "cancelled by the user" for r in TeacherClient(s).results(gone))
+
+    ids = [5, 6, 7, 8]
+    answer: dict[str, Any] = {}
+    waiting = threading.Thread(
+        target=lambda: answer.update(
+            zip(("status", "body"), gw.call("POST", "/generate", {"input_ids": ids}), strict=True)
+        ),
+    )
+    waiting.start()
+    wait_until(lambda: submitted() >= 4, "the in-flight request's job in the queue")
+    gw.proc.send_signal(signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", gw.port), timeout=scaled(1)).close()
+        except OSError:
+            return True
+        return False
+
+    wait_until(refused, "the gateway to stop accepting connections")
+    assert waiting.is_alive(), "the in-flight request must wait for its job, not be dropped"
+    start_consumer(s)
+    waiting.join(timeout=scaled(120))
+    assert answer.get("status") == 200, answer
+    np.testing.assert_allclose(
+        answer["body"]["log_probs"],
+        tiny_full_log_softmax(np.array(ids))[np.arange(3), ids[1:]],
+        atol=2e-4,
+    )
+    assert gw.proc.wait(timeout=scaled(60)) == 0
