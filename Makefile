@@ -15,6 +15,10 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not slow"
 # Every run ends with the slowest tests, so the next person sees where the time goes.
 DURATIONS := --durations=15 --durations-min=1
+# Two pytest-xdist workers, a test file each at a time: the suite waits on processes (consumers,
+# servers, gloo groups) for much of its time, and a module's shared set-ups stay in one worker.
+# XDIST= (empty) runs in one process.
+XDIST ?= -n 2 --dist loadfile
 
 .PHONY: demo test test-all test-stress lint setup clean browser
 
@@ -43,15 +47,15 @@ browser:
 	  else echo "install Debian's chromium (sudo apt-get install chromium) for the trace page test"; fi; }
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(DURATIONS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 test-all: $(STAMP) browser
-	$(PY) -m pytest -q $(DURATIONS) -m ""
+	$(PY) -m pytest -q $(XDIST) $(DURATIONS) -m ""
 
 # The suite beside two CPU-burning processes (scripts/test_stress.sh); e.g. the modules that
 # start processes, three times: make test-stress PYTEST_ARGS='-m "not slow" tests/integration'
 test-stress: $(STAMP) browser
-	scripts/test_stress.sh $(PY) -q $(DURATIONS) $(PYTEST_ARGS)
+	scripts/test_stress.sh $(PY) -q $(XDIST) $(DURATIONS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
