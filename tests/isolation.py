@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -24,7 +25,19 @@ class OutsideReads:
             str(repo.resolve().parent),
             str(Path.home() / ".local" / "state" / "teacherq"),
         )
-        self.allowed = (self.repo, str(Path(tempfile.gettempdir()).resolve()))
+        # The temp dir, and the interpreter's own folders (a virtualenv may sit beside the
+        # checkout: its lazy imports are not the tests reading outside).
+        interpreter = {
+            sys.prefix,
+            sys.base_prefix,
+            sys.exec_prefix,
+            *sysconfig.get_paths().values(),
+        }
+        self.allowed = (
+            self.repo,
+            str(Path(tempfile.gettempdir()).resolve()),
+            *sorted(os.path.abspath(p) for p in interpreter if p),
+        )
         self.seen: list[str] = []
 
     def outside(self, path: str) -> bool:
