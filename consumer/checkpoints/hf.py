@@ -21,6 +21,8 @@ Layout conversions, Hugging Face -> megatron-core (local layer spec):
 - RoPE: Hugging Face's rotate-half convention is megatron's non-interleaved RoPE, so q/k rows
   keep their order (GLM-4.5's partial rotary turns the first dims of each head, as megatron's
   `rotary_percent` does).
+- FP8 block-quantized checkpoints (`quantization_config`, `hf_fp8.py`) are dequantized as
+  each rank reads its slice (inside `HfCheckpoint.read`), so the readers here are the same.
 - Published DeepSeek-V3 / GLM-4.5 checkpoints carry multi-token-prediction layers after the
   model's own (`model.layers.{num_hidden_layers}.*`): skipped, and named in the log.
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from consumer.checkpoints import hf_mla, hf_moe
+from consumer.checkpoints import hf_fp8, hf_mla, hf_moe
 from consumer.checkpoints.hf_config import (
     SUPPORTED_FAMILIES,
     moe_reason,
@@ -134,7 +136,7 @@ def validate_hf_checkpoint(
     path: str | Path | HfCheckpoint, *, tp: int = 1, ep: int = 1
 ) -> ModelSpec:
     """Validate a checkpoint directory for serving at `tp` x `ep`: config, then every tensor's
-    shape.
+    shape (an FP8 checkpoint's: every scale's too, and a split keeping whole scale blocks).
 
     Reads file headers only. Raises `CheckpointError` listing each missing, unexpected or
     misshapen tensor by name.
@@ -143,7 +145,19 @@ def validate_hf_checkpoint(
     spec = validate_hf_config(ckpt.config, tp=tp, ep=ep)
     found = ckpt.shapes
     expected = hf_tensor_shapes(spec, found)
-    problems = inventory_problems(expected, found, ignorable=_ignorable(spec, found))
+    problems = []
+    if ckpt.fp8 is not None:
+        fmt = ckpt.fp8
+        for weight, scale in ckpt.scales.items():
+            if weight in expected:
+                expected[scale] = hf_fp8.scale_shape(expected[weight], fmt)
+        unscaled = [n for n, t in ckpt.dtypes.items() if t in hf_fp8.FP8_DTYPES]
+        problems += [f"{n}: stored in FP8 without its {hf_fp8.scale_name(n)}"
+                     for n in sorted(set(unscaled) - set(ckpt.scales))]  # fmt: skip
+        split = hf_fp8.split_problems(spec, fmt, ckpt.scales, tp=tp, ep=ep)
+        raise_problems(f"FP8 checkpoint {ckpt.path}: choose parallel.tp / parallel.ep so each "
+                       "rank owns whole scale blocks", split)  # fmt: skip
+    problems += inventory_problems(expected, found, ignorable=_ignorable(spec, found))
     raise_problems(f"checkpoint {ckpt.path} does not match its config.json", problems)
     return spec
 
@@ -292,6 +306,10 @@ def load_hf_weights(
         layers = sorted({int(n.split(".")[2]) for n in skipped})
         log.info("checkpoint.nextn_layers_skipped", layers=layers, tensors=len(skipped),
                  reason="multi-token-prediction layers are not part of the forward")  # fmt: skip
+    if ckpt.fp8 is not None:
+        log.info("checkpoint.fp8_dequantized", quantized_tensors=len(ckpt.scales),
+                 block=[ckpt.fp8.block_rows, ckpt.fp8.block_cols],
+                 dtype=str(next(model.parameters()).dtype).removeprefix("torch."))  # fmt: skip
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))
