@@ -172,6 +172,12 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype. auto: bfloat16 on a CUDA device, float32 on the CPU."""
 
+    fp8: Literal["auto", "dequantize"] = "auto"
+    """FP8 block-quantized checkpoints (`quantization_config`, as DeepSeek-V3 publishes): auto:
+    FP8 GEMMs where the device has them (Hopper, sm90+), else dequantize; dequantize: always
+    expand the weights at load to `model.dtype` (bf16: twice the FP8 bytes). FP8 compute is not
+    built yet, so both dequantize today (`checkpoint.fp8_dequantized` logs why)."""
+
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model
     the consumers advertise, or the tiny preset's when no consumer has started."""

@@ -293,10 +293,13 @@ def load_hf_weights(
     spec: ModelSpec,
     checkpoint: str | Path | HfCheckpoint,
     layout: ParallelLayout,
+    *,
+    fp8: str = "auto",
 ) -> None:
     """Overwrite every parameter of this rank's `model` with its shard from `checkpoint`.
 
-    `model` must have been built from `spec` at `layout`. Raises `CheckpointError` if a shard
+    `model` must have been built from `spec` at `layout`; an FP8 checkpoint is dequantized
+    to the model's dtype (`fp8`: the `model.fp8` setting). Raises `CheckpointError` if a shard
     does not fit its parameter, and RuntimeError if a parameter would be left unloaded.
     """
     ckpt = checkpoint if isinstance(checkpoint, HfCheckpoint) else HfCheckpoint(checkpoint)
@@ -307,9 +310,11 @@ def load_hf_weights(
         log.info("checkpoint.nextn_layers_skipped", layers=layers, tensors=len(skipped),
                  reason="multi-token-prediction layers are not part of the forward")  # fmt: skip
     if ckpt.fp8 is not None:
+        first = next(model.parameters())
         log.info("checkpoint.fp8_dequantized", quantized_tensors=len(ckpt.scales),
                  block=[ckpt.fp8.block_rows, ckpt.fp8.block_cols],
-                 dtype=str(next(model.parameters()).dtype).removeprefix("torch."))  # fmt: skip
+                 dtype=str(first.dtype).removeprefix("torch."),
+                 reason=hf_fp8.dequantize_reason(fp8, first.device))  # fmt: skip
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))
@@ -335,11 +340,13 @@ def load_hf_checkpoint(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     validate: bool = True,
+    fp8: str = "auto",
 ) -> tuple[TeacherGPTModel, ModelSpec]:
     """Validate, build and load this rank's shard of a Hugging Face checkpoint.
 
     Returns the model (eval mode, no grads) and its spec. With `validate` (the default) the
     config and every tensor's name and shape are checked first, from file headers only.
+    `fp8`: the `model.fp8` setting, for FP8 block-quantized checkpoints.
     """
     with HfCheckpoint(path) as ckpt:
         if validate:
@@ -349,6 +356,6 @@ def load_hf_checkpoint(
         model = build_model(
             spec, layout, params_dtype=params_dtype, device=device, init_weights=False
         )
-        load_hf_weights(model, spec, ckpt, layout)
+        load_hf_weights(model, spec, ckpt, layout, fp8=fp8)
     model.teacherq_spec = spec
     return model, spec

@@ -38,6 +38,20 @@ class Fp8Format:
     not_converted: tuple[str, ...] = ()
 
 
+def dequantize_reason(mode: str, device: torch.device | str) -> str:
+    """Why an FP8 checkpoint is dequantized at load under `model.fp8` = `mode` on `device`
+    (FP8 compute is not built yet, so there is always a reason)."""
+    device = torch.device(device)
+    if mode == "dequantize":
+        return "model.fp8=dequantize"
+    if device.type != "cuda":
+        return f"no FP8 compute on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"no FP8 compute on sm{major}{minor} (needs sm90+)"
+    return "FP8 GEMMs are not built yet"
+
+
 def quantization_problems(config: dict) -> list[str]:
     """Why the `quantization_config` of a config.json dict cannot be loaded (empty if it can,
     or if there is none)."""

@@ -273,3 +273,19 @@ def test_fp8_weight_without_scale_is_refused(pairs, tmp_path):
     save_file(tensors, str(dst / "model.safetensors"))
     with pytest.raises(CheckpointError, match="up_proj.weight: stored in FP8 without"):
         check_teacher(dst, tp=1)
+
+
+def test_fp8_setting_reads_and_refuses(monkeypatch):
+    """`TEACHERQ_MODEL__FP8` takes `auto` or `dequantize` and refuses anything else naming the
+    variable; on the CPU both dequantize, and the reason says which one decided."""
+    from consumer.checkpoints.hf_fp8 import dequantize_reason
+    from shared.settings import Settings, SettingsError, load_settings
+
+    assert Settings().model.fp8 == "auto"
+    monkeypatch.setenv("TEACHERQ_MODEL__FP8", "dequantize")
+    assert load_settings().model.fp8 == "dequantize"
+    monkeypatch.setenv("TEACHERQ_MODEL__FP8", "fp8")
+    with pytest.raises(SettingsError, match="TEACHERQ_MODEL__FP8"):
+        load_settings()
+    assert dequantize_reason("auto", "cpu") == "no FP8 compute on cpu"
+    assert dequantize_reason("dequantize", "cpu") == "model.fp8=dequantize"
