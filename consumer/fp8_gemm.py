@@ -70,10 +70,18 @@ def scaled_mm_block_linear(
     scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The quantized product through cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`)."""
+    """The quantized product through cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`).
+    Tokens are padded to a multiple of 16 (cuBLAS's FP8 alignment; scale strides stay
+    unambiguous for one token)."""
+    t = q_TK.shape[0]
+    pad = -t % 16
+    if pad:
+        q_TK = torch.cat([q_TK, q_TK.new_zeros(pad, q_TK.shape[1])])
+        scale_TG = torch.cat([scale_TG, scale_TG.new_ones(pad, scale_TG.shape[1])])
     a_scale = scale_TG.t().contiguous().t()  # outer-dim-major, as cuBLAS reads 1x128 scales
     b_scale = scale_inv.float().contiguous().t()  # [G, N/128], group dim innermost
-    return torch._scaled_mm(q_TK, w_NK.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    y = torch._scaled_mm(q_TK, w_NK.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    return y[:t]
 
 
 def scaled_mm_unsupported(device: torch.device | str, k: int) -> str | None:
