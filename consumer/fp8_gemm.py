@@ -13,8 +13,8 @@ Two paths compute the same quantized product:
 - `emulated`: the same FP8 operands expanded by their scales and multiplied in float32 (any
   device): the reference the GPU test holds `scaled_mm` to.
 
-Not yet wired into the model's linears (the loader dequantizes; see docs/moe.md). Shape
-letters: T tokens, K input features, N output features, G = K / 128 groups.
+`consumer/checkpoints/hf_fp8_linears.py` puts it in the model's tensor-parallel linears.
+Shape letters: T tokens, K input features, N output features, G = K / 128 groups.
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ def emulated_block_linear(
     w_NK: torch.Tensor,
     scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
+    block: tuple[int, int] = (GROUP, GROUP),
 ) -> torch.Tensor:
-    """The quantized product computed in float32 from the expanded operands (any device)."""
+    """The quantized product computed in float32 from the expanded operands (any device,
+    any weight block)."""
     t, k = q_TK.shape
     x_TK = (q_TK.float().view(t, k // GROUP, GROUP) * scale_TG[..., None]).view(t, k)
-    return (x_TK @ dequantize_weight(w_NK, scale_inv).T).to(out_dtype)
+    return (x_TK @ dequantize_weight(w_NK, scale_inv, block).T).to(out_dtype)
 
 
 def scaled_mm_block_linear(
@@ -142,19 +144,22 @@ def fp8_block_linear(
     *,
     out_dtype: torch.dtype | None = None,
     path: str = "auto",
+    block: tuple[int, int] = (GROUP, GROUP),
 ) -> torch.Tensor:
-    """y = x @ W^T for a 128 x 128 block-quantized FP8 weight, x quantized per token and
-    128-channel group. `path`: `auto` (cuBLAS where `scaled_mm_unsupported` finds nothing
-    against it, else emulated), `scaled_mm` or `emulated`. x: [..., K] -> [..., N]."""
+    """y = x @ W^T for a block-quantized FP8 weight (`block`: its scale blocks; cuBLAS takes
+    128 x 128 only), x quantized per token and 128-channel group. `path`: `auto` (cuBLAS
+    where `scaled_mm_unsupported` finds nothing against it, else emulated), `scaled_mm` or
+    `emulated`. x: [..., K] -> [..., N]."""
     lead, k = x.shape[:-1], x.shape[-1]
     q_TK, scale_TG = quantize_activations(x.reshape(-1, k))
     out_dtype = out_dtype or x.dtype
     if path == "auto":
-        path = "emulated" if scaled_mm_unsupported(x.device, k) else "scaled_mm"
+        cublas = block == (GROUP, GROUP) and not scaled_mm_unsupported(x.device, k)
+        path = "scaled_mm" if cublas else "emulated"
     if path == "scaled_mm":
         y = scaled_mm_block_linear(q_TK, scale_TG, w_NK, scale_inv, out_dtype)
     elif path == "emulated":
-        y = emulated_block_linear(q_TK, scale_TG, w_NK, scale_inv, out_dtype)
+        y = emulated_block_linear(q_TK, scale_TG, w_NK, scale_inv, out_dtype, block)
     else:
         raise ValueError(f"path must be 'auto', 'scaled_mm' or 'emulated', got {path!r}")
     return y.view(*lead, w_NK.shape[0])

@@ -174,9 +174,10 @@ class ModelSettings(_Section):
 
     fp8: Literal["auto", "dequantize"] = "auto"
     """FP8 block-quantized checkpoints (`quantization_config`, as DeepSeek-V3 publishes): auto:
-    FP8 GEMMs where the device has them (Hopper, sm90+), else dequantize; dequantize: always
-    expand the weights at load to `model.dtype` (bf16: twice the FP8 bytes). FP8 compute is not
-    built yet, so both dequantize today (`checkpoint.fp8_dequantized` logs why)."""
+    where the device runs block-scaled FP8 GEMMs (sm90+, CUDA 12.9+, 128x128 blocks) the
+    tensor-parallel linears (attention, dense MLPs) keep FP8 weights and multiply in FP8, the
+    rest is dequantized; elsewhere all is dequantized. dequantize: always expand the weights at
+    load to `model.dtype` (bf16: twice the FP8 bytes). The log says which (`checkpoint.fp8_*`)."""
 
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model

@@ -309,12 +309,7 @@ def load_hf_weights(
         layers = sorted({int(n.split(".")[2]) for n in skipped})
         log.info("checkpoint.nextn_layers_skipped", layers=layers, tensors=len(skipped),
                  reason="multi-token-prediction layers are not part of the forward")  # fmt: skip
-    if ckpt.fp8 is not None:
-        first = next(model.parameters())
-        log.info("checkpoint.fp8_dequantized", quantized_tensors=len(ckpt.scales),
-                 block=[ckpt.fp8.block_rows, ckpt.fp8.block_cols],
-                 dtype=str(first.dtype).removeprefix("torch."),
-                 reason=hf_fp8.dequantize_reason(fp8, first.device))  # fmt: skip
+    in_fp8 = _fp8_linears(model, ckpt, readers, fp8)
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))
@@ -323,6 +318,8 @@ def load_hf_weights(
         raise RuntimeError(f"parameter mismatch: no reader for {unloaded}, no parameter {unknown}")
     with torch.no_grad():
         for name, read in readers.items():
+            if name in in_fp8:
+                continue
             shard = read(ckpt)
             param = params[name]
             if tuple(shard.shape) != tuple(param.shape):
@@ -331,6 +328,27 @@ def load_hf_weights(
                     f"the model expects {list(param.shape)}"
                 )
             param.copy_(shard)
+
+
+def _fp8_linears(model: TeacherGPTModel, ckpt: HfCheckpoint, readers: dict, fp8: str) -> set:
+    """With an FP8 checkpoint where FP8 GEMMs run, give the linears their FP8 shards (the
+    names returned); log what stays dequantized and why."""
+    if ckpt.fp8 is None:
+        return set()
+    first = next(model.parameters())
+    why = hf_fp8.fp8_compute_problem(fp8, first.device, ckpt.fp8)
+    converted: list[str] = []
+    if why is None:
+        from consumer.checkpoints.hf_fp8_linears import attach_fp8_linears
+
+        converted = attach_fp8_linears(model, ckpt, readers)
+        log.info("checkpoint.fp8_compute", fp8_linears=len(converted),
+                 other_quantized_tensors="dequantized (MoE experts, latent attention)")  # fmt: skip
+    else:
+        log.info("checkpoint.fp8_dequantized", quantized_tensors=len(ckpt.scales),
+                 block=[ckpt.fp8.block_rows, ckpt.fp8.block_cols],
+                 dtype=str(first.dtype).removeprefix("torch."), reason=why)  # fmt: skip
+    return set(converted)
 
 
 def load_hf_checkpoint(

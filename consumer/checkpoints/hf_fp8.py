@@ -38,18 +38,18 @@ class Fp8Format:
     not_converted: tuple[str, ...] = ()
 
 
-def dequantize_reason(mode: str, device: torch.device | str) -> str:
-    """Why an FP8 checkpoint is dequantized at load under `model.fp8` = `mode` on `device`
-    (FP8 compute is not built yet, so there is always a reason)."""
+def fp8_compute_problem(mode: str, device: torch.device | str, fmt: Fp8Format) -> str | None:
+    """Why an FP8 checkpoint in `fmt` is dequantized at load under `model.fp8` = `mode` on
+    `device`, or None when its linears can run FP8 GEMMs (`auto` on sm90+ with cuBLAS's
+    block-scaled kernel and 128 x 128 blocks)."""
+    from consumer import fp8_gemm
+
     device = torch.device(device)
     if mode == "dequantize":
         return "model.fp8=dequantize"
-    if device.type != "cuda":
-        return f"no FP8 compute on {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"no FP8 compute on sm{major}{minor} (needs sm90+)"
-    return "FP8 GEMMs are not built yet"
+    if (fmt.block_rows, fmt.block_cols) != (fp8_gemm.GROUP, fp8_gemm.GROUP):
+        return f"weight_block_size [{fmt.block_rows}, {fmt.block_cols}]: FP8 GEMMs take 128x128"
+    return fp8_gemm.scaled_mm_unsupported(device, 4 * fp8_gemm.GROUP)
 
 
 def quantization_problems(config: dict) -> list[str]:
@@ -122,7 +122,9 @@ def scales_of(names: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def _ranges(shape: Sequence[int], slices: Sequence[slice]) -> list[tuple[int, int]]:
+def slice_ranges(shape: Sequence[int], slices: Sequence[slice]) -> list[tuple[int, int]]:
+    """(start, stop) per dimension of `shape` that contiguous `slices` (leading dims; the rest
+    whole) select."""
     out = []
     for i, n in enumerate(shape):
         s = slices[i] if i < len(slices) else slice(None)
@@ -136,7 +138,7 @@ def _ranges(shape: Sequence[int], slices: Sequence[slice]) -> list[tuple[int, in
 def read_dequantized(weight_view, scale_view, slices: Sequence[slice], fmt: Fp8Format):
     """`weight_view[slices]` (a safetensors slice of an FP8 tensor [..., R, C]) times the scale
     of each element's block, in float32; reads only the scale blocks the slice touches."""
-    ranges = _ranges(weight_view.get_shape(), slices)
+    ranges = slice_ranges(weight_view.get_shape(), slices)
     if len(ranges) < 2:
         raise ValueError("an FP8-quantized tensor must have at least two dimensions")
     weight = weight_view[tuple(slice(a, b) for a, b in ranges)]

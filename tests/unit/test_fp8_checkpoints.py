@@ -278,7 +278,7 @@ def test_fp8_weight_without_scale_is_refused(pairs, tmp_path):
 def test_fp8_setting_reads_and_refuses(monkeypatch):
     """`TEACHERQ_MODEL__FP8` takes `auto` or `dequantize` and refuses anything else naming the
     variable; on the CPU both dequantize, and the reason says which one decided."""
-    from consumer.checkpoints.hf_fp8 import dequantize_reason
+    from consumer.checkpoints.hf_fp8 import Fp8Format, fp8_compute_problem
     from shared.settings import Settings, SettingsError, load_settings
 
     assert Settings().model.fp8 == "auto"
@@ -287,5 +287,7 @@ def test_fp8_setting_reads_and_refuses(monkeypatch):
     monkeypatch.setenv("TEACHERQ_MODEL__FP8", "fp8")
     with pytest.raises(SettingsError, match="TEACHERQ_MODEL__FP8"):
         load_settings()
-    assert dequantize_reason("auto", "cpu") == "no FP8 compute on cpu"
-    assert dequantize_reason("dequantize", "cpu") == "model.fp8=dequantize"
+    fmt = Fp8Format(128, 128)
+    assert fp8_compute_problem("auto", "cpu", fmt) == "no FP8 GEMM on cpu"
+    assert fp8_compute_problem("dequantize", "cpu", fmt) == "model.fp8=dequantize"
+    assert "128x128" in str(fp8_compute_problem("auto", "cpu", Fp8Format(16, 32)))
