@@ -69,7 +69,9 @@ def build_scorer(
     else:
         from consumer.checkpoints import load_teacher
 
-        model, spec, version = load_teacher(path, layout, params_dtype=dtype, device=device)
+        model, spec, version = load_teacher(
+            path, layout, params_dtype=dtype, device=device, fp8=settings.model.fp8
+        )
     common: dict[str, Any] = {
         "model": model,
         "spec": spec,

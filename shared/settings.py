@@ -172,6 +172,13 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype. auto: bfloat16 on a CUDA device, float32 on the CPU."""
 
+    fp8: Literal["auto", "dequantize"] = "auto"
+    """FP8 block-quantized checkpoints (`quantization_config`, as DeepSeek-V3 publishes): auto:
+    where the device runs block-scaled FP8 GEMMs (sm90+, CUDA 12.9+, 128x128 blocks) the
+    tensor-parallel linears (attention, dense MLPs) keep FP8 weights and multiply in FP8, the
+    rest is dequantized; elsewhere all is dequantized. dequantize: always expand the weights at
+    load to `model.dtype` (bf16: twice the FP8 bytes). The log says which (`checkpoint.fp8_*`)."""
+
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model
     the consumers advertise, or the tiny preset's when no consumer has started."""

@@ -21,6 +21,8 @@ Layout conversions, Hugging Face -> megatron-core (local layer spec):
 - RoPE: Hugging Face's rotate-half convention is megatron's non-interleaved RoPE, so q/k rows
   keep their order (GLM-4.5's partial rotary turns the first dims of each head, as megatron's
   `rotary_percent` does).
+- FP8 block-quantized checkpoints (`quantization_config`, `hf_fp8.py`) are dequantized as
+  each rank reads its slice (inside `HfCheckpoint.read`), so the readers here are the same.
 - Published DeepSeek-V3 / GLM-4.5 checkpoints carry multi-token-prediction layers after the
   model's own (`model.layers.{num_hidden_layers}.*`): skipped, and named in the log.
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from consumer.checkpoints import hf_mla, hf_moe
+from consumer.checkpoints import hf_fp8, hf_mla, hf_moe
 from consumer.checkpoints.hf_config import (
     SUPPORTED_FAMILIES,
     moe_reason,
@@ -136,7 +138,7 @@ def validate_hf_checkpoint(
     path: str | Path | HfCheckpoint, *, tp: int = 1, ep: int = 1
 ) -> ModelSpec:
     """Validate a checkpoint directory for serving at `tp` x `ep`: config, then every tensor's
-    shape.
+    shape (an FP8 checkpoint's: every scale's too, and a split keeping whole scale blocks).
 
     Reads file headers only. Raises `CheckpointError` listing each missing, unexpected or
     misshapen tensor by name.
@@ -145,7 +147,19 @@ def validate_hf_checkpoint(
     spec = validate_hf_config(ckpt.config, tp=tp, ep=ep)
     found = ckpt.shapes
     expected = hf_tensor_shapes(spec, found)
-    problems = inventory_problems(expected, found, ignorable=_ignorable(spec, found))
+    problems = []
+    if ckpt.fp8 is not None:
+        fmt = ckpt.fp8
+        for weight, scale in ckpt.scales.items():
+            if weight in expected:
+                expected[scale] = hf_fp8.scale_shape(expected[weight], fmt)
+        unscaled = [n for n, t in ckpt.dtypes.items() if t in hf_fp8.FP8_DTYPES]
+        problems += [f"{n}: stored in FP8 without its {hf_fp8.scale_name(n)}"
+                     for n in sorted(set(unscaled) - set(ckpt.scales))]  # fmt: skip
+        split = hf_fp8.split_problems(spec, fmt, ckpt.scales, tp=tp, ep=ep)
+        raise_problems(f"FP8 checkpoint {ckpt.path}: choose parallel.tp / parallel.ep so each "
+                       "rank owns whole scale blocks", split)  # fmt: skip
+    problems += inventory_problems(expected, found, ignorable=_ignorable(spec, found))
     raise_problems(f"checkpoint {ckpt.path} does not match its config.json", problems)
     return spec
 
@@ -281,10 +295,13 @@ def load_hf_weights(
     spec: ModelSpec,
     checkpoint: str | Path | HfCheckpoint,
     layout: ParallelLayout,
+    *,
+    fp8: str = "auto",
 ) -> None:
     """Overwrite every parameter of this rank's `model` with its shard from `checkpoint`.
 
-    `model` must have been built from `spec` at `layout`. Raises `CheckpointError` if a shard
+    `model` must have been built from `spec` at `layout`; an FP8 checkpoint is dequantized
+    to the model's dtype (`fp8`: the `model.fp8` setting). Raises `CheckpointError` if a shard
     does not fit its parameter, and RuntimeError if a parameter would be left unloaded.
     """
     ckpt = checkpoint if isinstance(checkpoint, HfCheckpoint) else HfCheckpoint(checkpoint)
@@ -294,6 +311,7 @@ def load_hf_weights(
         layers = sorted({int(n.split(".")[2]) for n in skipped})
         log.info("checkpoint.nextn_layers_skipped", layers=layers, tensors=len(skipped),
                  reason="multi-token-prediction layers are not part of the forward")  # fmt: skip
+    in_fp8 = _fp8_linears(model, ckpt, readers, fp8)
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))
@@ -303,6 +321,8 @@ def load_hf_weights(
     writer = ParamWriter(next(iter(params.values())).device)
     try:
         for name, read in readers.items():
+            if name in in_fp8:
+                continue
             with phase("read"):
                 shard = read(ckpt)
             param = params[name]
@@ -318,6 +338,27 @@ def load_hf_weights(
             writer.finish()
 
 
+def _fp8_linears(model: TeacherGPTModel, ckpt: HfCheckpoint, readers: dict, fp8: str) -> set:
+    """With an FP8 checkpoint where FP8 GEMMs run, give the linears their FP8 shards (the
+    names returned); log what stays dequantized and why."""
+    if ckpt.fp8 is None:
+        return set()
+    first = next(model.parameters())
+    why = hf_fp8.fp8_compute_problem(fp8, first.device, ckpt.fp8)
+    converted: list[str] = []
+    if why is None:
+        from consumer.checkpoints.hf_fp8_linears import attach_fp8_linears
+
+        converted = attach_fp8_linears(model, ckpt, readers)
+        log.info("checkpoint.fp8_compute", fp8_linears=len(converted),
+                 other_quantized_tensors="dequantized (MoE experts, latent attention)")  # fmt: skip
+    else:
+        log.info("checkpoint.fp8_dequantized", quantized_tensors=len(ckpt.scales),
+                 block=[ckpt.fp8.block_rows, ckpt.fp8.block_cols],
+                 dtype=str(first.dtype).removeprefix("torch."), reason=why)  # fmt: skip
+    return set(converted)
+
+
 def load_hf_checkpoint(
     path: str | Path,
     layout: ParallelLayout,
@@ -325,11 +366,13 @@ def load_hf_checkpoint(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     validate: bool = True,
+    fp8: str = "auto",
 ) -> tuple[TeacherGPTModel, ModelSpec]:
     """Validate, build and load this rank's shard of a Hugging Face checkpoint.
 
     Returns the model (eval mode, no grads) and its spec. With `validate` (the default) the
     config and every tensor's name and shape are checked first, from file headers only.
+    `fp8`: the `model.fp8` setting, for FP8 block-quantized checkpoints.
     """
     with HfCheckpoint(path) as ckpt:
         if validate:
@@ -340,6 +383,6 @@ def load_hf_checkpoint(
             model = build_model(
                 spec, layout, params_dtype=params_dtype, device=device, init_weights=False
             )
-        load_hf_weights(model, spec, ckpt, layout)
+        load_hf_weights(model, spec, ckpt, layout, fp8=fp8)
     model.teacherq_spec = spec
     return model, spec

@@ -3,8 +3,9 @@ which of its features teacherq reproduces exactly, and the numbers of the spec.
 
 Every refusal is one `CheckpointError` naming the field and its value: an unknown or
 unsupported mixture-of-experts architecture, sliding-window attention, output or MLP biases,
-activations other than SiLU, quantized weights, RoPE variants megatron-core (or, for latent
-attention, `consumer/mla.py`) does not compute, and splits over tp x ep that do not divide.
+activations other than SiLU, quantizations other than block-wise FP8 (`hf_fp8.py`), RoPE
+variants megatron-core (or, for latent attention, `consumer/mla.py`) does not compute, and
+splits over tp x ep that do not divide.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 import math
 
 from consumer.checkpoints import hf_mla, hf_moe
+from consumer.checkpoints.hf_fp8 import quantization_problems
 from consumer.checkpoints.validate import CheckpointError, check_parallel
 from consumer.spec import ModelSpec
 from shared.families import FAMILIES, KNOWN_MOE_MODEL_TYPES, Family, describe, family_of
@@ -234,8 +236,7 @@ def _feature_problems(config: dict, family: Family) -> list[str]:
         problems.append("attention_bias=true (megatron cannot bias o_proj without the MLP)")
     if config.get("mlp_bias"):
         problems.append("mlp_bias=true")
-    if config.get("quantization_config"):
-        problems.append("quantized weights (quantization_config)")
+    problems += quantization_problems(config)
     layers = int(config.get("num_hidden_layers") or 0)
     if config.get("use_sliding_window") and config.get("sliding_window"):
         first = int(config.get("max_window_layers", 0) or 0)

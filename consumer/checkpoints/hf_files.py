@@ -2,7 +2,8 @@
 the file headers, and sliced reads of single tensors (a rank reads only its shard).
 
 A leaf of the checkpoint package: the family-specific readers (`hf.py`, `hf_moe.py`,
-`hf_mla.py`) all read through it, and it knows no family.
+`hf_mla.py`) all read through it, and it knows no family. An FP8 block-quantized checkpoint
+(`hf_fp8.py`) is dequantized here, on the slice read, so no reader needs to know of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from consumer.checkpoints import hf_fp8
 from consumer.checkpoints.validate import CheckpointError
 
 CONFIG_NAME = "config.json"
@@ -38,6 +40,14 @@ class HfCheckpoint:
         self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}
         self._file_of = self._locate_tensors()
         self._shapes: dict[str, tuple[int, ...]] | None = None
+        self._dtypes: dict[str, str] = {}
+        problems = hf_fp8.quantization_problems(self.config)
+        if problems:
+            raise CheckpointError(f"{config_path}: " + "; ".join(problems))
+        self.fp8 = hf_fp8.fp8_format(self.config)
+        """The FP8 block format when the checkpoint is quantized (else None)."""
+        self.scales = hf_fp8.scales_of(self._file_of) if self.fp8 else {}
+        """Quantized tensor name -> its `weight_scale_inv` tensor's name (FP8 checkpoints)."""
 
     def _locate_tensors(self) -> dict[str, Path]:
         index_path = self.path / INDEX_NAME
@@ -79,29 +89,42 @@ class HfCheckpoint:
                     raise CheckpointError(
                         f"{INDEX_NAME} maps {name} to {file.name}, which lacks it"
                     )
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
+                view = handle.get_slice(name)
+                shapes[name] = tuple(view.get_shape())
+                self._dtypes[name] = view.get_dtype()
             self._shapes = shapes
         return self._shapes
 
+    @property
+    def dtypes(self) -> dict[str, str]:
+        """Name -> safetensors dtype name (`BF16`, `F8_E4M3`, ...) of every tensor stored."""
+        _ = self.shapes
+        return self._dtypes
+
     def read_slices(self, name: str, *slices: slice) -> torch.Tensor:
-        """Tensor `name` sliced along its leading dimensions (e.g. experts, rows, columns)."""
+        """Tensor `name` sliced along its leading dimensions (e.g. experts, rows, columns);
+        an FP8-quantized one dequantized (float32), reading only the scale blocks it touches."""
+        scale = self.scales.get(name)
+        if scale is not None and self.fp8 is not None:
+            view = self._open(self._file_of[name]).get_slice(name)
+            scale_view = self._open(self._file_of[scale]).get_slice(scale)
+            return hf_fp8.read_dequantized(view, scale_view, slices, self.fp8)
         stored = self._stored(name)
         if stored is not None:
             return stored[slices]
-        return self._open(self._file_of[name]).get_slice(name)[slices]
+        view = self._open(self._file_of[name]).get_slice(name)
+        return view[slices] if slices else view[:]
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it: a view of the
-        file's memory map where it can be (copied once, straight into the parameter, by the
-        loader), else a copy read by safetensors. Do not write into it."""
-        view = self._stored(name)
-        if view is None:
-            view = self._open(self._file_of[name]).get_slice(name)
+        """Tensor `name`, or only `rows` (dim 0) and/or `cols` (dim 1) of it (dequantized
+        when FP8-quantized, like `read_slices`): a view of the file's memory map where it can
+        be (copied once, straight into the parameter, by the loader), else a copy read by
+        safetensors. Do not write into it."""
         if cols is not None:
-            return view[rows or slice(None), cols]
+            return self.read_slices(name, rows or slice(None), cols)
         if rows is not None:
-            return view[rows]
-        return view[:]
+            return self.read_slices(name, rows)
+        return self.read_slices(name)
 
     def _stored(self, name: str) -> torch.Tensor | None:
         """Tensor `name` as a view of its file's memory map (no copy: pages are read when the

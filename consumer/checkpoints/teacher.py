@@ -47,13 +47,17 @@ def load_teacher(
     *,
     params_dtype: torch.dtype,
     device: torch.device | str,
+    fp8: str = "auto",
 ) -> tuple[TeacherGPTModel, ModelSpec, str]:
-    """Load a Hugging Face or Megatron checkpoint on this rank; returns model, spec, version."""
+    """Load a Hugging Face or Megatron checkpoint on this rank; returns model, spec, version
+    (`fp8`: the `model.fp8` setting, for an FP8 block-quantized Hugging Face checkpoint)."""
     kind = checkpoint_kind(path)
     if kind == "hf":
         from consumer.checkpoints.hf import load_hf_checkpoint
 
-        model, spec = load_hf_checkpoint(path, layout, params_dtype=params_dtype, device=device)
+        model, spec = load_hf_checkpoint(
+            path, layout, params_dtype=params_dtype, device=device, fp8=fp8
+        )
         version_dir = Path(path)
     else:
         from consumer.checkpoints.megatron_dist import (

@@ -1,0 +1,108 @@
+"""FP8 compute in the model (#40): an FP8 checkpoint's tensor-parallel linears keep their FP8
+shards and block scales and multiply through consumer/fp8_gemm.py. On the CPU the emulated
+product stands in for cuBLAS (tests/gpu/test_fp8.py holds the two together), so what is proven
+here is the wiring: which linears convert, that their fused FP8 shards and scales are exactly
+the checkpoint's (dequantizing them gives the dequantized load bit for bit), and that the
+model then scores as the dequantized one up to the activations' FP8 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from consumer import fp8_gemm
+from tests.gloo import run_gloo
+from tests.timing import scaled
+from tests.unit.test_fp8_checkpoints import VOCAB, _jobs, write_fp8_pair
+
+# hidden and FFN multiples of 128 (activation groups); 32 x 64 blocks keep each KV group's
+# q, k and v rows whole blocks at TP=1 and TP=2; 8 heads of 32 give o_proj 128 input columns
+# per rank at TP=2 (activations are quantized in 128-channel groups)
+SIZES = {"hidden_size": 128, "num_attention_heads": 8, "num_kv_heads": 2, "head_dim": 32,
+         "intermediate_size": 256, "num_layers": 2}  # fmt: skip
+BLOCK = [32, 64]
+LINEARS = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+           "mlp.linear_fc2"]  # fmt: skip
+# FP8 activations (per 128-channel group) on both layers' four GEMMs with unit-scale random
+# weights move log-probs by ~0.05 on average, ~0.2 at worst; a linear fed the wrong rows or
+# scales moves them by nats
+MEAN_ATOL, MAX_ATOL = 0.1, 0.4
+
+
+@pytest.fixture(scope="module")
+def pair(hf_checkpoint, tmp_path_factory) -> tuple[str, str]:
+    source = hf_checkpoint("qwen3", "fp8-compute-src", seed=13, vocab_size=VOCAB, **SIZES)
+    fp8, ref = write_fp8_pair(source, tmp_path_factory.mktemp("fp8c"), BLOCK)
+    return str(fp8), str(ref)
+
+
+def _load_both(path: str, layout):
+    """The dequantized load and the FP8-compute one (emulated GEMMs) of `path`."""
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.checkpoints.hf import hf_shard_readers
+    from consumer.checkpoints.hf_files import HfCheckpoint
+    from consumer.checkpoints.hf_fp8_linears import attach_fp8_linears
+
+    plain, spec = load_hf_checkpoint(path, layout)
+    model, _ = load_hf_checkpoint(path, layout)
+    with HfCheckpoint(path) as ckpt:
+        readers = hf_shard_readers(spec, layout, ckpt.shapes)
+        converted = attach_fp8_linears(model, ckpt, readers, path="emulated")
+    return plain, model, spec, converted
+
+
+def _check_exact(plain, model, converted) -> None:
+    want = {f"decoder.layers.{i}.{m}.weight" for i in range(2) for m in LINEARS}
+    assert set(converted) == want
+    modules = dict(model.named_modules())
+    plain_params = dict(plain.named_parameters())
+    for name in converted:
+        module = modules[name.removesuffix(".weight")]
+        assert module.weight.dtype == torch.float8_e4m3fn
+        back = fp8_gemm.dequantize_weight(module.weight, module.weight_scale_inv, tuple(BLOCK))
+        assert torch.equal(back, plain_params[name]), name
+
+
+def _score(model, spec, layout) -> list[dict]:
+    from consumer.batching import batch_from_jobs
+    from consumer.scoring import Scorer
+
+    scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+    return scorer.score(batch_from_jobs(_jobs()))
+
+
+def _compare(fp8_scores: list[dict], plain_scores: list[dict]) -> None:
+    pairs = zip(fp8_scores, plain_scores, strict=True)
+    diff = np.concatenate([np.abs(got["logprobs"] - want["logprobs"]) for got, want in pairs])
+    assert diff.mean() < MEAN_ATOL and diff.max() < MAX_ATOL, (diff.mean(), diff.max())
+    assert diff.max() > 0, "FP8 activations changed nothing: the FP8 forward did not run"
+
+
+def test_fp8_linears_hold_the_checkpoint_and_score_close(pair, layout):
+    """At TP=1 the four linears of each layer convert; their FP8 shards and fused scales
+    dequantize to exactly the dequantized load; scores match it within the FP8 activation
+    rounding (and differ from it, so the FP8 forward ran)."""
+    plain, model, spec, converted = _load_both(pair[0], layout)
+    _check_exact(plain, model, converted)
+    _compare(_score(model, spec, layout), _score(plain, spec, layout))
+
+
+def _tp2_worker(rank: int, world: int, path: str):
+    from consumer import cpu_compat
+    from consumer.parallel import init_parallel
+
+    cpu_compat.apply()
+    layout = init_parallel(tp=2, pp=1)
+    plain, model, spec, converted = _load_both(path, layout)
+    _check_exact(plain, model, converted)
+    out = (_score(model, spec, layout), _score(plain, spec, layout))
+    return out if layout.is_leader else None
+
+
+@pytest.mark.slow
+def test_fp8_linears_at_tp2(pair):
+    """At TP=2 (gloo) each rank's FP8 shard and scales are exactly its slice, and the
+    TP-reduced scores match the dequantized model's within the FP8 activation rounding."""
+    fp8_scores, plain_scores = run_gloo(2, _tp2_worker, pair[0], timeout=scaled(300))[0]
+    _compare(fp8_scores, plain_scores)
