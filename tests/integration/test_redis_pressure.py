@@ -24,7 +24,7 @@ from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
 from shared.streams import Streams
-from tests.helpers import REPO
+from tests.helpers import REPO, wait_for_consumers
 from tests.processes import Valkey, terminate
 from tests.timing import scaled, wait_until
 
@@ -413,6 +413,7 @@ def full_redis_run(
     )
     client = TeacherClient(s)
     procs = [start_consumer(s), start_consumer(s)]
+    wait_for_consumers(s, count=2)  # the second start returns once any one is ready
     t0 = time.monotonic()
     ids = client.submit(jobs(n_jobs, "full", length=40))
     client.wait(ids[:4], timeout=scaled(60))
@@ -628,7 +629,12 @@ def test_sigterm_while_results_wait_for_room(small_redis, settings, start_consum
     ids = client.submit(jobs(150, "term", length=40))
     client.wait(ids[:4], timeout=scaled(60))
     small_redis.fill()
-    wait_until(lambda: '"store.retry"' in proc.log_path.read_text(), "a result refused", timeout=60)
+    # The consumer has met the full Redis: it paused claiming, or a result write was refused.
+    wait_until(
+        lambda: any(e in proc.log_path.read_text() for e in ('"consumer.paused"', '"store.retry"')),
+        "the consumer meeting the full Redis",
+        timeout=60,
+    )
     t0 = time.monotonic()
     assert terminate(proc) == 0
     assert time.monotonic() - t0 < s.consumer.stop_grace_s + 10

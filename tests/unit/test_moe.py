@@ -322,13 +322,14 @@ def test_moe_configs_need_no_dense_ffn_size():
     assert spec.num_experts == 4 and spec.moe_top_k == 2 and spec.moe_dense_layers == ()
 
 
-def test_unsupported_moe_families_are_still_refused():
+@pytest.mark.parametrize(("model_type", "arch"), [("deepseek_v2", "DeepseekV2ForCausalLM"),
+                                                  ("olmoe", "OlmoeForCausalLM")])  # fmt: skip
+def test_unsupported_moe_families_are_still_refused(model_type, arch):
+    """A mixture-of-experts family outside the table is refused, saying it is one."""
     from consumer.checkpoints import validate_hf_config
 
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
-        validate_hf_config(
-            {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
-        )
+        validate_hf_config({"model_type": model_type, "architectures": [arch]})
 
 
 def _torch_dist_worker(rank, world_size, tp, ep, roots, out_root, batches):
