@@ -2,19 +2,19 @@
 
 Only the leader rank of a replica talks to Redis. Per batch it:
 1. takes entries from the claimer (own pending list, then idle entries of dead consumers,
-   then new ones) — on a prefetch thread (consumer/prefetch.py), so the next batch is claimed
+   then new ones) — on a prefetch thread (consumer/serve/prefetch.py), so the next batch is claimed
    while the device computes;
-2. admits them (consumer/intake.py): invalid entries and entries delivered more than
-   `max_deliveries` times go to the dead-letter stream at once (consumer/failures.py);
+2. admits them (consumer/serve/intake.py): invalid entries and entries delivered more than
+   `max_deliveries` times go to the dead-letter stream at once (consumer/serve/failures.py);
    jobs that already have a result are acknowledged without recomputing;
 3. packs the rest into token-budgeted micro-batches, and the group scores each
-   (consumer/batch_runner.py, agreeing on failure through consumer/agreement.py); a failed
-   batch is split and each job retried alone, and a job that fails alone is dead-lettered;
-4. hands each result to background writers (consumer/writer.py): bulk arrays to object
+   (consumer/serve/batch_runner.py, agreeing on failure through consumer/group/agreement.py); a
+   failed batch is split and each job retried alone, and a job that fails alone is dead-lettered;
+4. hands each result to background writers (consumer/serve/writer.py): bulk arrays to object
    storage, then one atomic script writes the record, announces it and XACKs. A crash
    anywhere before that means a redelivery, never a loss.
-Between batches it applies control commands and idle sleep (consumer/control.py) and trims
-the stream (consumer/retention.py). consumer/service.py builds the Leader.
+Between batches it applies control commands and idle sleep (consumer/serve/control.py) and trims
+the stream (consumer/serve/retention.py). consumer/serve/service.py builds the Leader.
 """
 
 from __future__ import annotations
@@ -29,26 +29,26 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from consumer.agreement import ReplicaBroken
-from consumer.batch_runner import BatchRunner
-from consumer.batching import broadcast_batch
-from consumer.claims import Claimer
-from consumer.control import Control
-from consumer.failures import DeadLetters
-from consumer.faults import FaultInjector
-from consumer.heartbeat import Heartbeat
-from consumer.intake import Intake
-from consumer.liveness import consumer_name
-from consumer.metrics import ConsumerMetrics
-from consumer.prefetch import Prefetcher
-from consumer.prefix import plan_shared_microbatches
-from consumer.preflight import check_redis
-from consumer.pressure import MemoryWatch
-from consumer.replica import Counters, LoadedModel
-from consumer.retention import Janitor
-from consumer.scoring import Scorer
-from consumer.stop import StopFlag
-from consumer.writer import ResultWriter, WriteTask
+from consumer.forward.peers import ReplicaBroken
+from consumer.forward.prefix import plan_shared_microbatches
+from consumer.forward.scoring import Scorer
+from consumer.group.batching import broadcast_batch
+from consumer.group.faults import FaultInjector
+from consumer.serve.batch_runner import BatchRunner
+from consumer.serve.claims import Claimer
+from consumer.serve.control import Control
+from consumer.serve.failures import DeadLetters
+from consumer.serve.heartbeat import Heartbeat
+from consumer.serve.intake import Intake
+from consumer.serve.liveness import consumer_name
+from consumer.serve.metrics import ConsumerMetrics
+from consumer.serve.prefetch import Prefetcher
+from consumer.serve.preflight import check_redis
+from consumer.serve.pressure import MemoryWatch
+from consumer.serve.replica import Counters, LoadedModel
+from consumer.serve.retention import Janitor
+from consumer.serve.stop import StopFlag
+from consumer.serve.writer import ResultWriter, WriteTask
 from shared import keys, weights
 from shared.messages import Limits
 from shared.queue_metrics import QueueCollector
