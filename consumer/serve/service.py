@@ -20,8 +20,8 @@ from consumer.forward.scoring import Scorer
 from consumer.group.batching import broadcast_text
 from consumer.group.faults import FaultInjector
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
+from consumer.serve.assemble import build_leader
 from consumer.serve.follower import follow
-from consumer.serve.leader import Leader
 from consumer.serve.preflight import UnsafeRedis, preflight
 from consumer.serve.reload import Reloader, load_agreed
 from consumer.serve.stop import StopFlag
@@ -298,7 +298,7 @@ def run(
 
         store = ObjectStore.from_settings(settings.storage)
         assert client is not None and choice is not None
-        leader = Leader(
+        leader = build_leader(
             settings=settings,
             scorer=scorer,
             client=client,
