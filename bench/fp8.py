@@ -8,7 +8,7 @@ path) is left out, so the figure is the linears' share. Weights are random, bloc
 group at run time. Paths, side by side on the same weights and tokens:
 
     bf16           F.linear on the unquantized weights
-    fp8            consumer.fp8_gemm.fp8_block_linear (`auto`: cuBLAS where it runs)
+    fp8            consumer.forward.fp8_gemm.fp8_block_linear (`auto`: cuBLAS where it runs)
     fp8_emulated   the same FP8 product expanded to float32 (what the CPU does)
     transformers   transformers' FP8Linear kernel (finegrained_fp8.fp8_linear), if it loads
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consumer import fp8_gemm  # noqa: E402 - after the sys.path insert
+from consumer.forward import fp8_gemm  # noqa: E402 - after the sys.path insert
 
 HIDDEN, FFN, Q, KV = 4096, 12288, 32 * 128, 8 * 128
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * FFN, HIDDEN),

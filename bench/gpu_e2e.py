@@ -24,7 +24,7 @@ Paths, all on the same documents:
       (b')   teacherq's TeacherGPTModel forward on the consumer's own packed (thd) micro-
              batches of the same budget (shared prompts computed once);
   (c) e2e    teacherq end to end: an embedded valkey-server, a real consumer process
-             (`consumer.service.run`, serving a random-init TeacherGPTModel built on the
+             (`consumer.serve.service.run`, serving a random-init TeacherGPTModel built on the
              device), jobs submitted with TeacherClient and waited for, results through
              Redis and file:// object storage. Once for next-token log-probs only ("label"),
              once with top-k 64, 8 samples and the entropy as well ("full").
@@ -427,8 +427,8 @@ def _jobs(calls: list[list], *, full: bool, tag: str) -> list:
 
 def _microbatches(jobs: list, budget: int) -> list:
     """The consumer's micro-batches of these jobs (shared prompts once), as tensors."""
-    from consumer.batching import batch_from_jobs
-    from consumer.prefix import plan_shared_microbatches
+    from consumer.forward.prefix import plan_shared_microbatches
+    from consumer.group.batching import batch_from_jobs
 
     return [batch_from_jobs(mb) for mb in plan_shared_microbatches(jobs, token_budget=budget)]
 
@@ -470,7 +470,7 @@ def _head_check(scorer, vocab: int) -> dict:
     import numpy as np
     import torch
 
-    from consumer.batching import batch_from_jobs
+    from consumer.group.batching import batch_from_jobs
 
     doc = np.random.default_rng(99).integers(0, vocab, 2048)
     batch = batch_from_jobs(_jobs([[doc]], full=True, tag="check"))
@@ -644,10 +644,10 @@ def consumer_child(args: argparse.Namespace) -> int:
     built on the device; measures (b') and (c-direct) first, then serves until SIGTERM."""
     import torch
 
-    import consumer.service as service
+    import consumer.serve.service as service
     from consumer.checkpoints import spec_from_hf_config
-    from consumer.model import build_model
-    from consumer.scoring import Scorer
+    from consumer.forward.model import build_model
+    from consumer.forward.scoring import Scorer
     from shared.log import configure_logging
     from shared.settings import load_settings
 
@@ -708,7 +708,7 @@ def _instrument_scoring() -> None:
     times from launch to collection (PendingScore.result)."""
     import torch
 
-    from consumer.scoring import PendingScore, Scorer
+    from consumer.forward.scoring import PendingScore, Scorer
 
     launch, result = Scorer.launch, PendingScore.result
     started: dict[int, float] = {}
@@ -754,7 +754,8 @@ def _instrument_host_steps() -> None:
     import gc
     import threading
 
-    from consumer import batch_runner, claims, control, intake, leader, prefetch, retention, scoring
+    from consumer.forward import scoring
+    from consumer.serve import batch_runner, claims, control, intake, leader, prefetch, retention
 
     main = threading.main_thread()
     steps = {

@@ -24,8 +24,9 @@ Paths, on the same documents (lengths uniform in 256..4096, drawn from `--seed`)
             batches of at most `--tokens-per-forward` tokens
             with an attention mask: logits, a float32 log_softmax and the next-token gather;
   hf_bare   the same batches through `model.model` to the final hidden states only;
-  teacherq  TeacherGPTModel with TeacherMoE layers (consumer/moe.py) and the chunked head via
-            Scorer.score on the consumer's packed micro-batches of the same budget, every output
+  teacherq  TeacherGPTModel with TeacherMoE layers (consumer/forward/moe.py) and the chunked
+            head via Scorer.score on the consumer's packed micro-batches of the same budget, every
+            output
             (next-token log-probs, top-64, 8 samples, entropy) or `--label-only`.
 
 Reported per path: tokens/s (documents' tokens, no padding), MFU on the active parameters
@@ -33,7 +34,7 @@ Reported per path: tokens/s (documents' tokens, no padding), MFU on the active p
 2 s^2 heads head_dim per layer and document; peak 790e12 bf16 FLOP/s measured on an H200),
 and peak device memory (weights included). Then the ratio teacherq / hf.
 
-`--gemm-only` times the expert FFN alone on one layer's routed tokens: consumer.moe_gemm's
+`--gemm-only` times the expert FFN alone on one layer's routed tokens: consumer.forward.moe_gemm's
 grouped GEMM vs transformers' Qwen3MoeExperts (its grouped_mm implementation on CUDA) on the
 same weights and routing.
 
@@ -264,9 +265,9 @@ def run_hf(model, docs, args, device) -> tuple[float, list[np.ndarray]]:
 
 
 def run_teacherq(model, spec, layout, docs, args, device) -> tuple[float, list[np.ndarray]]:
-    from consumer.batching import batch_from_jobs
-    from consumer.prefix import plan_shared_microbatches
-    from consumer.scoring import Scorer
+    from consumer.forward.prefix import plan_shared_microbatches
+    from consumer.forward.scoring import Scorer
+    from consumer.group.batching import batch_from_jobs
     from shared.messages import Job, TeacherRequest
 
     extra = {} if args.label_only else {"top_k": TOP_K, "sample_n": SAMPLES, "return_entropy": True}
@@ -297,7 +298,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from consumer.checkpoints.hf_config import spec_from_hf_config
-    from consumer.moe_gemm import grouped_available, swiglu_experts
+    from consumer.forward.moe_gemm import grouped_available, swiglu_experts
 
     spec = spec_from_hf_config(hf_config(shape(args)).to_dict())
     cfg = {"hidden_size": spec.hidden_size, "num_experts": spec.num_experts,
@@ -363,7 +364,7 @@ def main() -> None:
     from consumer import cpu_compat
     from consumer.checkpoints import load_hf_checkpoint
     from consumer.checkpoints.hf_config import spec_from_hf_config
-    from consumer.model import build_model
+    from consumer.forward.model import build_model
     from consumer.parallel import init_parallel
 
     cpu_compat.apply()

@@ -67,7 +67,7 @@ def tiny_gpt(hidden: int, layers: int) -> tuple[torch.nn.Module, LossFn]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from consumer.attention import SdpaCoreAttention
+    from consumer.forward.attention import SdpaCoreAttention
 
     _gloo_world_of_one()
     torch.manual_seed(0)

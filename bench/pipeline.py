@@ -2,9 +2,9 @@
 
 `--pp` spawned ranks (gloo over loopback, `--threads` torch threads each) form one replica of
 `--pp` stages of a random-init dense model (`--layers` layers split over the stages, hidden
-`--hidden`). Each rank builds its stage as the consumer does (consumer.model.build_model) and
-scores the same batch of `--docs` documents (lengths uniform in `--min-len`..`--max-len`, drawn
-from `--seed`; next-token log-probs only) through consumer.pipeline.PipelineScorer, once per
+`--hidden`). Each rank builds its stage as the consumer does (consumer.forward.model.build_model)
+and scores the same batch of `--docs` documents (lengths uniform in `--min-len`..`--max-len`, drawn
+from `--seed`; next-token log-probs only) through consumer.forward.pipeline.PipelineScorer, once per
 micro-batch count in `--microbatches`:
 
     1        the whole batch goes through stage 0, then stage 1, ...: one stage works at a time;
@@ -57,10 +57,10 @@ def _rank(rank: int, args, port: int, out) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.pp
     )
     from consumer import cpu_compat
-    from consumer.batching import batch_from_jobs
-    from consumer.model import ModelSpec, build_model
+    from consumer.forward.model import ModelSpec, build_model
+    from consumer.forward.pipeline import PipelineScorer
+    from consumer.group.batching import batch_from_jobs
     from consumer.parallel import init_parallel, shutdown
-    from consumer.pipeline import PipelineScorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=1, pp=args.pp)

@@ -5,8 +5,8 @@ Workload: `--prompts` prompts of `--prompt-len` tokens (uniform in MIN:MAX), eac
 (prompt ++ response), every job read in one batching window. Both paths score every job with
 the same Scorer (one model, one process) and the same token budget per micro-batch:
 
-    unshared: consumer.batching.plan_microbatches       every job its own document
-    shared:   consumer.prefix.plan_shared_microbatches  each prompt once, responses as a tree
+    unshared: consumer.group.batching.plan_microbatches       every job its own document
+    shared:   consumer.forward.prefix.plan_shared_microbatches each prompt once, responses as a tree
 
 Printed per path: forward tokens computed, head rows, micro-batches, seconds, jobs/s and job
 tokens/s (tokens the jobs hold, whatever was computed), then shared/unshared ratios and the
@@ -37,11 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from consumer import cpu_compat  # noqa: E402 - repo on path
-from consumer.batching import batch_from_jobs, plan_microbatches  # noqa: E402 - repo on path
-from consumer.model import TINY, ModelSpec, build_model  # noqa: E402 - repo on path
+from consumer.forward.model import TINY, ModelSpec, build_model  # noqa: E402 - repo on path
+from consumer.forward.prefix import plan_shared_microbatches  # noqa: E402 - repo on path
+from consumer.forward.scoring import Scorer  # noqa: E402 - repo on path
+from consumer.group.batching import batch_from_jobs, plan_microbatches  # noqa: E402 - repo on path
 from consumer.parallel import init_parallel  # noqa: E402 - repo on path
-from consumer.prefix import plan_shared_microbatches  # noqa: E402 - repo on path
-from consumer.scoring import Scorer  # noqa: E402 - repo on path
 from shared.messages import Job, TeacherRequest  # noqa: E402 - repo on path
 
 PRESETS = {

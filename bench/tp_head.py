@@ -2,7 +2,7 @@
 
 At each tensor-parallel size P in `--tp`, P spawned ranks each hold one logits shard
 [T, padded_V / P] (random, `--dtype`), the vocabulary padded as the consumer pads it
-(consumer.model.ModelSpec.padded_vocab_size). Two paths produce the teacher's outputs
+(consumer.forward.model.ModelSpec.padded_vocab_size). Two paths produce the teacher's outputs
 (`--outputs label`: the next-token log-prob; `full`: also top-64 ids with log-probs, 8 samples
 with log-probs and the entropy):
 
@@ -78,7 +78,7 @@ def padded_vocab_size(vocab: int, tp: int) -> int:
     """The padded vocabulary the consumer uses at this TP size (ModelSpec.padded_vocab_size)."""
     with warnings.catch_warnings():  # megatron warns about missing Apex / Transformer Engine
         warnings.simplefilter("ignore")
-        from consumer.model import TINY
+        from consumer.forward.model import TINY
     return dataclasses.replace(TINY, vocab_size=vocab).padded_vocab_size(tp)
 
 
@@ -90,8 +90,8 @@ def padded_vocab_size(vocab: int, tp: int) -> int:
 def make_inputs(rank: int, tp: int, padded_vocab: int, device: torch.device, args) -> dict:
     """This rank's logits shard, and the per-row inputs (the same on every rank).
 
-    The per-row inputs stay on the host, as consumer/scoring.py keeps them: tp_ops checks them
-    there and copies them over without a device sync.
+    The per-row inputs stay on the host, as consumer/forward/scoring.py keeps them: tp_ops checks
+    them there and copies them over without a device sync.
     """
     shard_gen = torch.Generator(device=device).manual_seed(1000 + rank)
     logits_TV = torch.randn(

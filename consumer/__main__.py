@@ -28,7 +28,7 @@ def main() -> int:
     rank = int(os.environ.get("RANK", 0))
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=rank)
     route_library_logs(level=settings.log.level)  # megatron's notices: debug lines
-    from consumer import compile_cache
+    from consumer.serve import compile_cache
 
     # Before torch is imported: Triton and inductor read these when they first compile.
     caches = compile_cache.apply(
@@ -36,7 +36,7 @@ def main() -> int:
     )
     # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    from consumer.preflight import UnsafeRedis, preflight
+    from consumer.serve.preflight import UnsafeRedis, preflight
 
     try:
         if rank == 0:  # before torch and megatron are imported: a refusal takes a second
@@ -45,7 +45,7 @@ def main() -> int:
             verdict = preflight(connect(settings.redis), settings)
             if verdict:
                 raise UnsafeRedis(verdict)
-        from consumer.service import run
+        from consumer.serve.service import run
 
         return run(settings, started=started, compile_caches=caches)
     except UnsafeRedis as exc:

@@ -314,7 +314,7 @@ def serve(
 def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
     try:
-        import consumer.service  # noqa: F401 - loads torch and megatron, which main() needs
+        import consumer.serve.service  # noqa: F401 - loads torch and megatron, which main() needs
         from consumer.__main__ import main
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in ("torch", "megatron"):

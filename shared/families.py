@@ -2,7 +2,8 @@
 
 Every reader of a family's properties looks here: the Hugging Face loader
 (`consumer/checkpoints/hf.py`, `hf_moe.py`, `hf_mla.py`), the mixture-of-experts layer
-(`consumer/moe.py`), the synthetic checkpoint writer (`consumer/checkpoints/synthetic.py`) and the
+(`consumer/forward/moe.py`), the synthetic checkpoint writer (`consumer/checkpoints/synthetic.py`)
+and the
 torch-free probe `teacherq update-weights` runs (`shared/checkpoint_probe.py`). A family is named
 by transformers' `model_type`; its record says what the config leaves implicit (the defaults of
 transformers' config class) and how its layers are built.
@@ -31,7 +32,7 @@ class Family:
       "sigmoid_grouped" (DeepSeekMoE: sigmoid scores, a correction bias for the choice only,
       group-limited top-k, `routed_scaling_factor`).
     - `attention`: "gqa" (megatron's grouped-query attention, q/k/v fused per KV group) or
-      "mla" (multi-head latent attention, `consumer/mla.py`).
+      "mla" (multi-head latent attention, `consumer/forward/mla.py`).
     - `shared_expert`: "none", "gated" (Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x)))
       or "plain" (DeepSeekMoE: `n_shared_experts` x `moe_intermediate_size` wide, ungated).
     - `dense_layers`: how a MoE config names its dense layers: "none" (Mixtral),

@@ -92,7 +92,7 @@ class RequestOptions(BaseModel):
     `TeacherRequest` is built on it (a request is its options plus its arrays and bookkeeping);
     a dataset applies one to every row (a row's own value wins); the stream entry's `meta`, the
     content job id (`content_job_id`) and the consumer's batch columns
-    (`consumer.batching.BatchTensors`, one `<option>_J` tensor per option) are derived from
+    (`consumer.forward.batch.BatchTensors`, one `<option>_J` tensor per option) are derived from
     its fields, in this order. A new option is a field here, with its validator; the guard test
     `tests/unit/test_messages.py::test_every_option_travels` checks that it reaches the
     consumer and enters the job id.

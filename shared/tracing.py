@@ -591,7 +591,7 @@ class PhaseClock:
     record no spans themselves: their offsets travel to the leader in a small collective.
 
     Device work is asynchronous: the host leaves a phase as soon as the work is queued. Give
-    `device_mark` (e.g. `consumer.agreement.cuda_marks`) to charge each phase until its device
+    `device_mark` (e.g. `consumer.group.agreement.cuda_marks`) to charge each phase until its device
     work is done: called at the end of each phase it marks the device's queue and returns a
     callable that later resolves to the moment, in seconds from the clock's creation, the
     device got there. Marks are read only in `offsets`, so the clock never makes the host wait

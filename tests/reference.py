@@ -12,7 +12,7 @@ import torch
 @functools.lru_cache(maxsize=1)
 def _tiny_model():
     from consumer import cpu_compat
-    from consumer.model import TINY, TINY_SEED, build_model
+    from consumer.forward.model import TINY, TINY_SEED, build_model
     from consumer.parallel import init_parallel
 
     cpu_compat.apply()

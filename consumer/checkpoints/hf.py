@@ -44,10 +44,10 @@ from consumer.checkpoints.hf_config import (
 )
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.validate import CheckpointError, inventory_problems, raise_problems
-from consumer.load_phases import phase
-from consumer.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
+from consumer.forward.load_phases import phase
+from consumer.forward.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
+from consumer.forward.weight_copy import ParamWriter
 from consumer.parallel import ParallelLayout
-from consumer.weight_copy import ParamWriter
 
 __all__ = [
     "SUPPORTED_FAMILIES",

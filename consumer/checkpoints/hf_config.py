@@ -4,7 +4,7 @@ which of its features teacherq reproduces exactly, and the numbers of the spec.
 Every refusal is one `CheckpointError` naming the field and its value: an unknown or
 unsupported mixture-of-experts architecture, sliding-window attention, output or MLP biases,
 activations other than SiLU, quantizations other than block-wise FP8 (`hf_fp8.py`), RoPE
-variants megatron-core (or, for latent attention, `consumer/mla.py`) does not compute, and
+variants megatron-core (or, for latent attention, `consumer/forward/mla.py`) does not compute, and
 splits over tp x ep that do not divide.
 """
 
@@ -16,7 +16,7 @@ import math
 from consumer.checkpoints import hf_mla, hf_moe
 from consumer.checkpoints.hf_fp8 import quantization_problems
 from consumer.checkpoints.validate import CheckpointError, check_parallel
-from consumer.spec import ModelSpec
+from consumer.forward.spec import ModelSpec
 from shared.families import FAMILIES, KNOWN_MOE_MODEL_TYPES, Family, describe, family_of
 
 SUPPORTED_FAMILIES = tuple(FAMILIES)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from consumer.spec import ModelSpec
+from consumer.forward.spec import ModelSpec
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3",)  # the safetensors header's name for float8_e4m3fn
@@ -42,7 +42,7 @@ def fp8_compute_problem(mode: str, device: torch.device | str, fmt: Fp8Format) -
     """Why an FP8 checkpoint in `fmt` is dequantized at load under `model.fp8` = `mode` on
     `device`, or None when its linears can run FP8 GEMMs (`auto` on sm90+ with cuBLAS's
     block-scaled kernel and 128 x 128 blocks)."""
-    from consumer import fp8_gemm
+    from consumer.forward import fp8_gemm
 
     device = torch.device(device)
     if mode == "dequantize":

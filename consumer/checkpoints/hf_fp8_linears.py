@@ -1,6 +1,6 @@
 """FP8 compute for an FP8 checkpoint's tensor-parallel linears: each quantized megatron
 `ColumnParallelLinear` / `RowParallelLinear` keeps this rank's FP8 weight shard and its block
-scales, and multiplies through `consumer.fp8_gemm` (activations quantized per token and
+scales, and multiplies through `consumer.forward.fp8_gemm` (activations quantized per token and
 128-channel group at run time) instead of holding a dequantized copy.
 
 The shards come from the same readers as the dequantizing load (`hf.hf_shard_readers`): they
@@ -19,9 +19,9 @@ import math
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from consumer import fp8_gemm
 from consumer.checkpoints import hf_fp8
 from consumer.checkpoints.hf_files import HfCheckpoint
+from consumer.forward import fp8_gemm
 
 
 class _NotConvertible(Exception):

@@ -5,7 +5,8 @@ Per layer, under `model.layers.{i}.self_attn.`: `q_a_proj` [q_lora, h], `q_a_lay
 [q_lora], `q_b_proj` [H (nope + rope), q_lora] (or `q_proj` [H (nope + rope), h] without a q
 LoRA rank), `kv_a_proj_with_mqa` [kv_lora + rope, h], `kv_a_layernorm` [kv_lora], `kv_b_proj`
 [H (nope + v), kv_lora], `o_proj` [h, H v]. Rows of q_b_proj / kv_b_proj are head-major, so a
-TP rank's heads are one contiguous block of rows (`consumer/mla.py` holds them in that order).
+TP rank's heads are one contiguous block of rows (`consumer/forward/mla.py` holds them in that
+order).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.validate import CheckpointError
+from consumer.forward.spec import ModelSpec
 from consumer.parallel import ParallelLayout
-from consumer.spec import ModelSpec
 
 Reader = Callable[[HfCheckpoint], torch.Tensor]
 

@@ -14,7 +14,7 @@ and ungated shared experts `mlp.shared_experts.gate_proj / up_proj / down_proj.w
 (`n_shared_experts` x `moe_intermediate_size` wide); Qwen2-MoE's gated shared expert is
 `mlp.shared_expert.*` with `mlp.shared_expert_gate.weight` [1, h].
 
-A rank reads only its experts, and of those only its slice of the FFN (`consumer.moe`).
+A rank reads only its experts, and of those only its slice of the FFN (`consumer.forward.moe`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.validate import CheckpointError
+from consumer.forward.spec import ModelSpec
 from consumer.parallel import ParallelLayout
-from consumer.spec import ModelSpec
 from shared.families import Family
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from consumer.checkpoints.hf_config import megatron_llama3_constants
 from consumer.checkpoints.validate import CheckpointError, check_parallel, raise_problems
-from consumer.model import ModelSpec, TeacherGPTModel, build_model
+from consumer.forward.model import ModelSpec, TeacherGPTModel, build_model
 from consumer.parallel import ParallelLayout
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from consumer.checkpoints.validate import CheckpointError
-from consumer.model import ModelSpec, TeacherGPTModel
+from consumer.forward.model import ModelSpec, TeacherGPTModel
 from consumer.parallel import ParallelLayout
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from consumer.spec import ModelSpec
+from consumer.forward.spec import ModelSpec
 from shared.errors import InvalidCheckpoint
 
 # Long inventories are cut here: the first few problems tell the operator what is wrong, and

@@ -11,8 +11,8 @@ these kernels compute the same on CUDA, faster:
   ids by its mass, then an id inside it), bit for bit what the reference draws (same
   SplitMix64 hash, same fp32 exp and fp64 noise, same tie rules; helpers in `gumbel`);
 - `swiglu.swiglu` and `rope.rope`: the MLP's SwiGLU and the rotary embedding of q and k in
-  one pass each (`consumer.model.TeacherMLP`, `consumer.attention.apply_rope`; PyTorch
-  elsewhere).
+  one pass each (`consumer.forward.model.TeacherMLP`, `consumer.forward.attention.apply_rope`;
+  PyTorch elsewhere).
 
 Imports run one way: the kernels import the shared leaf `consumer.head_common`, never
 `consumer.tp_ops`; the callers (`tp_ops.drivers`, `model`, `attention`) ask `load(device)`

@@ -99,7 +99,7 @@ CONFIG = RowStatsConfig()
 # Integers that follow the batch's row count or the request's sample count are not
 # specialised (Triton would compile a variant for a value of 1 and for one divisible by 16):
 # the variants then follow the compile-time flags alone, which the consumer's warm-up visits
-# (consumer/warmup.py), and no first batch of a new size compiles.
+# (consumer/serve/warmup.py), and no first batch of a new size compiles.
 @triton.jit(do_not_specialize=["span", "n_samples"])
 def _row_pass_kernel(
     logits_ptr,

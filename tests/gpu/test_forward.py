@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from consumer.batching import batch_from_jobs  # noqa: E402
-from consumer.graphs import GraphedForward  # noqa: E402
-from consumer.model import ModelSpec, build_model  # noqa: E402
-from consumer.scoring import Scorer  # noqa: E402
+from consumer.forward.graphs import GraphedForward  # noqa: E402
+from consumer.forward.model import ModelSpec, build_model  # noqa: E402
+from consumer.forward.scoring import Scorer  # noqa: E402
+from consumer.group.batching import batch_from_jobs  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
 
 SPEC = ModelSpec(
@@ -145,7 +145,7 @@ def test_shared_prompt_layouts_replay_too(model, layout) -> None:
         )
         for i in range(4)
     ]
-    from consumer.prefix import plan_shared_microbatches
+    from consumer.forward.prefix import plan_shared_microbatches
 
     [group] = plan_shared_microbatches(jobs, token_budget=16384)
     batch = batch_from_jobs(group)
@@ -177,7 +177,7 @@ def test_fused_swiglu_matches_pytorch_in_fp32() -> None:
 
 def test_fused_rope_matches_pytorch_in_fp32() -> None:
     pytest.importorskip("triton")
-    from consumer.attention import apply_rope
+    from consumer.forward.attention import apply_rope
     from consumer.kernels.rope import rope
 
     gen = torch.Generator(device=CUDA).manual_seed(4)
@@ -229,7 +229,7 @@ def _random_batches(count: int, seed: int, tokens: int = 6000, **opts) -> list:
 def _padded_reference(model, scorer: Scorer, batch) -> torch.Tensor:
     """The eager forward of a batch padded to its bucket, cut to the batch's rows: what a
     bucketed graph must replay bit for bit."""
-    from consumer.graphs import Bucket, _bucket_bounds, eager_forward
+    from consumer.forward.graphs import Bucket, _bucket_bounds, eager_forward
 
     tree = scorer.layout_of(batch)
     bucket = Bucket.of(tree.segments)
@@ -280,13 +280,13 @@ def test_bucketed_graphs_replay_batches_of_lengths_never_seen(model, layout) -> 
 
 
 def _keys(scorer: Scorer, batches: list) -> list[tuple[int, ...]]:
-    from consumer.graphs import Bucket
+    from consumer.forward.graphs import Bucket
 
     return [Bucket.of(scorer.layout_of(b).segments).key for b in batches]
 
 
 def test_bucketed_graphs_serve_shared_prompts(model, layout) -> None:
-    from consumer.prefix import plan_shared_microbatches
+    from consumer.forward.prefix import plan_shared_microbatches
 
     rng = np.random.default_rng(7)
     graphs = GraphedForward(model, max_graphs=4, buckets=True, max_rows=16384)

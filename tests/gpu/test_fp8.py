@@ -1,4 +1,4 @@
-"""consumer/fp8_gemm.py on an H100/H200: cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`
+"""consumer/forward/fp8_gemm.py on an H100/H200: cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`
 with 1x128 activation and 128x128 weight scales) against the emulated product of the same FP8
 operands, and FP8 against the bf16 GEMM of the unquantized weights.
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from consumer import fp8_gemm  # noqa: E402 - after the skip
+from consumer.forward import fp8_gemm  # noqa: E402 - after the skip
 
 CUDA = torch.device("cuda")
 SHAPES = [(1, 4096, 4096), (300, 4096, 12288), (2048, 12288, 4096), (77, 1024, 640)]
@@ -72,9 +72,9 @@ def test_fp8_checkpoint_serves_fp8_linears(hf_checkpoint, tmp_path, layout, cubl
     checkpoint."""
     import numpy as np
 
-    from consumer.batching import batch_from_jobs
     from consumer.checkpoints import load_hf_checkpoint
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
+    from consumer.group.batching import batch_from_jobs
     from tests.unit.test_fp8_checkpoints import VOCAB, _jobs, write_fp8_pair
 
     sizes = {"hidden_size": 512, "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 128,

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from consumer.attention import varlen_supported  # noqa: E402
-from consumer.batching import batch_from_jobs  # noqa: E402
 from consumer.checkpoints import load_hf_checkpoint  # noqa: E402
-from consumer.scoring import Scorer  # noqa: E402
+from consumer.forward.attention import varlen_supported  # noqa: E402
+from consumer.forward.scoring import Scorer  # noqa: E402
+from consumer.group.batching import batch_from_jobs  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
 from tests.reference import hf_full_log_softmax  # noqa: E402
 

@@ -18,15 +18,15 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from consumer.attention import (  # noqa: E402
+from consumer.forward.attention import (  # noqa: E402
     SdpaCoreAttention,
     TreeBounds,
     attention_runs,
     uses_varlen,
 )
-from consumer.batching import batch_from_jobs  # noqa: E402
-from consumer.model import ModelSpec, build_model  # noqa: E402
-from consumer.scoring import Scorer  # noqa: E402
+from consumer.forward.model import ModelSpec, build_model  # noqa: E402
+from consumer.forward.scoring import Scorer  # noqa: E402
+from consumer.group.batching import batch_from_jobs  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
 from tests.reference import dense_attention, packed_segments  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""The consumer's warm-up on CUDA (consumer/warmup.py): after it, no batch of any output at any
-size compiles a Triton kernel, and a full batch of any document-length class replays a graph
+"""The consumer's warm-up on CUDA (consumer/serve/warmup.py): after it, no batch of any output at
+any size compiles a Triton kernel, and a full batch of any document-length class replays a graph
 instead of recording one; a same-shape weight update in place keeps the graphs and changes
 the results.
 
@@ -17,11 +17,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from consumer import warmup  # noqa: E402
-from consumer.batching import batch_from_jobs  # noqa: E402
-from consumer.graphs import GraphedForward  # noqa: E402
-from consumer.model import ModelSpec, build_model  # noqa: E402
-from consumer.scoring import Scorer  # noqa: E402
+from consumer.forward.graphs import GraphedForward  # noqa: E402
+from consumer.forward.model import ModelSpec, build_model  # noqa: E402
+from consumer.forward.scoring import Scorer  # noqa: E402
+from consumer.group.batching import batch_from_jobs  # noqa: E402
+from consumer.serve import warmup  # noqa: E402
 from shared.messages import Job, TeacherRequest  # noqa: E402
 
 SPEC = ModelSpec(

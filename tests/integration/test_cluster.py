@@ -270,7 +270,7 @@ def test_preflight_where_config_is_refused_starts_and_says_what_is_unchecked(tmp
     'refuse'), reports both durability settings as unchecked, and still checks commands."""
     from structlog.testing import capture_logs
 
-    from consumer.preflight import check_redis
+    from consumer.serve.preflight import check_redis
     from tests.processes import Valkey
 
     server = Valkey(tmp_path, "--rename-command", "CONFIG", "")
@@ -289,7 +289,7 @@ def test_preflight_checks_every_cluster_node(cluster) -> None:
     """On a cluster every node's durability settings are read (all AOF, noeviction here)."""
     from structlog.testing import capture_logs
 
-    from consumer.preflight import UnsafeRedis, check_redis
+    from consumer.serve.preflight import UnsafeRedis, check_redis
 
     r = connect(Settings(redis={"url": cluster.url, "mode": "cluster"}).redis)
     with capture_logs() as logs:

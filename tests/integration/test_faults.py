@@ -334,7 +334,7 @@ def test_bad_entries_never_take_a_consumer_down(settings, start_consumer, r) -> 
 
 
 def test_janitor_trims_only_acknowledged_entries(settings, r) -> None:
-    from consumer.retention import trim_acknowledged
+    from consumer.serve.retention import trim_acknowledged
 
     stream = keys.jobs_stream(settings.queue.name)
     r.xgroup_create(stream, "g1", id="0", mkstream=True)

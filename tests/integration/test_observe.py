@@ -27,7 +27,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from consumer.metrics import ConsumerMetrics
+from consumer.serve.metrics import ConsumerMetrics
 from producer import AsyncTeacherClient, TeacherClient, TeacherRequest
 from producer.progress import WaitProgress
 from producer.status import render, snapshot

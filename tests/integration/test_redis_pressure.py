@@ -203,7 +203,7 @@ def test_group_and_refresh_work_while_redis_is_full(small_redis, settings) -> No
     """With Redis at maxmemory: an existing group is no error, the in-flight refresh still
     resets idle times (and never takes back an entry another consumer took over), acks of
     skipped entries go through, and the submit script is refused as a whole."""
-    from consumer.claims import Claimer
+    from consumer.serve.claims import Claimer
 
     r = small_redis.r
     streams = Streams(r, settings.queue.name)
@@ -536,7 +536,7 @@ def test_prune_spares_a_consumer_that_beat_again_since_judged_dead(r, settings) 
     """A consumer judged dead (stopped) is restarted under the same name and beats before the
     reaper's prune runs: the prune (given the record it judged by) leaves it in the group
     and keeps its heartbeat; judged again from the stale record later, it is pruned."""
-    from consumer.liveness import Reaper
+    from consumer.serve.liveness import Reaper
 
     q = settings.queue.name
     streams = Streams(r, q)
@@ -571,7 +571,7 @@ def test_takeover_from_a_live_owner_counts_no_delivery(r, settings) -> None:
     """An entry idle past the visibility timeout is taken over; if its owner is alive by its
     heartbeat (so only its refresh failed), the takeover keeps the delivery count; from an
     owner without a live heartbeat it counts one more delivery."""
-    from consumer.claims import Claimer
+    from consumer.serve.claims import Claimer
 
     streams = Streams(r, settings.queue.name)
     streams.ensure_group()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consumer.attention import SdpaCoreAttention, TreeBounds, attention_runs
+from consumer.forward.attention import SdpaCoreAttention, TreeBounds, attention_runs
 from tests.reference import dense_attention, packed_segments
 
 LAYOUTS = {
@@ -51,7 +51,7 @@ def test_documents_longer_than_the_configured_positions_match_megatrons_own_rope
     RoPE) is the reference."""
     import dataclasses
 
-    from consumer.model import TINY, build_model
+    from consumer.forward.model import TINY, build_model
 
     spec = dataclasses.replace(TINY, max_position_embeddings=64)
     model = build_model(spec, layout)

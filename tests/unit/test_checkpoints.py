@@ -691,7 +691,7 @@ def test_megatron_mismatch_is_named(saved_tp1, layout, tmp_path, change, message
 
 def test_save_needs_a_spec(layout, tmp_path):
     from consumer.checkpoints import save_megatron_checkpoint
-    from consumer.model import TINY, build_model
+    from consumer.forward.model import TINY, build_model
 
     with pytest.raises(ValueError, match="needs the model's spec"):
         save_megatron_checkpoint(build_model(TINY, layout), tmp_path)

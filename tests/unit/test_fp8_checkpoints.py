@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from consumer.batching import batch_from_jobs
 from consumer.checkpoints.validate import CheckpointError
+from consumer.group.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
@@ -130,7 +130,7 @@ def _jobs() -> list[Job]:
 
 def _score(path: str, layout) -> list[dict]:
     from consumer.checkpoints import load_hf_checkpoint
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
 
     model, spec = load_hf_checkpoint(path, layout)
     scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))

@@ -1,5 +1,5 @@
 """FP8 compute in the model (#40): an FP8 checkpoint's tensor-parallel linears keep their FP8
-shards and block scales and multiply through consumer/fp8_gemm.py. On the CPU the emulated
+shards and block scales and multiply through consumer/forward/fp8_gemm.py. On the CPU the emulated
 product stands in for cuBLAS (tests/gpu/test_fp8.py holds the two together), so what is proven
 here is the wiring: which linears convert, that their fused FP8 shards and scales are exactly
 the checkpoint's (dequantizing them gives the dequantized load bit for bit), and that the
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumer import fp8_gemm
+from consumer.forward import fp8_gemm
 from tests.gloo import run_gloo
 from tests.timing import scaled
 from tests.unit.test_fp8_checkpoints import VOCAB, _jobs, write_fp8_pair
@@ -65,8 +65,8 @@ def _check_exact(plain, model, converted) -> None:
 
 
 def _score(model, spec, layout) -> list[dict]:
-    from consumer.batching import batch_from_jobs
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
+    from consumer.group.batching import batch_from_jobs
 
     scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
     return scorer.score(batch_from_jobs(_jobs()))

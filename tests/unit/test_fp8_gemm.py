@@ -1,4 +1,4 @@
-"""consumer/fp8_gemm.py on the CPU: the run-time activation quantizer and the emulated
+"""consumer/forward/fp8_gemm.py on the CPU: the run-time activation quantizer and the emulated
 block-scaled FP8 GEMM (the reference tests/gpu/test_fp8.py holds cuBLAS's path to)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consumer import fp8_gemm
+from consumer.forward import fp8_gemm
 
 
 def _operands(t: int = 37, k: int = 384, n: int = 200):

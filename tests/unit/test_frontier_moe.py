@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.batching import batch_from_jobs
+from consumer.group.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
@@ -75,7 +75,7 @@ def _batches() -> list[list[Job]]:
 
 
 def _score(model, spec, layout) -> list:
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
 
     scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
     return [scorer.score(batch_from_jobs(jobs)) for jobs in _batches()]
@@ -164,12 +164,12 @@ def _stage_worker(rank, world, tp, ep, pp, roots: dict, out_root: str | None):
     """Load each checkpoint at tp x ep x pp, score both batches on every rank together (the
     pipeline's schedule at pp > 1) and, with `out_root`, save a torch_dist checkpoint there."""
     from consumer import cpu_compat
-    from consumer.agreement import score_agreed
     from consumer.checkpoints import load_teacher, save_megatron_checkpoint
-    from consumer.faults import FaultInjector
+    from consumer.forward.pipeline import PipelineScorer
+    from consumer.forward.scoring import Scorer
+    from consumer.group.agreement import score_agreed
+    from consumer.group.faults import FaultInjector
     from consumer.parallel import init_parallel
-    from consumer.pipeline import PipelineScorer
-    from consumer.scoring import Scorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=tp, pp=pp, ep=ep)

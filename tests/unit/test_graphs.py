@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from consumer import graphs
-from consumer.attention import TreeBounds, segment_arrays
-from consumer.graphs import GraphedForward, eager_forward
-from consumer.model import TINY, build_model
+from consumer.forward import graphs
+from consumer.forward.attention import TreeBounds, segment_arrays
+from consumer.forward.graphs import GraphedForward, eager_forward
+from consumer.forward.model import TINY, build_model
 
 
 def test_layouts_seen_are_remembered_within_a_bound(layout, monkeypatch) -> None:

@@ -52,7 +52,7 @@ def _token_ids(n: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def _local_logits(model, ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
     """[tokens, padded_vocab / tp] float64 logits of this rank's vocab shard."""
-    from consumer.attention import TreeBounds
+    from consumer.forward.attention import TreeBounds
 
     if lengths is None:
         hidden = model(ids, torch.arange(ids.shape[1])[None], attention_mask=None)
@@ -113,7 +113,7 @@ def test_rope_scaling_is_what_makes_the_match(case, layout, checkpoints, referen
     # The parity test could pass while scaling were ignored; here it is removed on purpose and
     # the result must leave the tolerance by far.
     from consumer.checkpoints import HfCheckpoint, load_hf_weights, spec_from_hf_config
-    from consumer.model import build_model
+    from consumer.forward.model import build_model
 
     ckpt = HfCheckpoint(checkpoints[case])
     spec = dataclasses.replace(spec_from_hf_config(ckpt.config), rope_scaling=None)

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from consumer.model import TINY
-from consumer.service import pick_dtype
+from consumer.forward.model import TINY
+from consumer.serve.service import pick_dtype
 from shared.messages import (
     DEFAULT_MAX_INPUT_TOKENS,
     InvalidJob,

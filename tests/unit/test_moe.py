@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.batching import batch_from_jobs
 from consumer.checkpoints import CheckpointError
+from consumer.group.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
@@ -69,7 +69,7 @@ def _jobs(lengths: list[int], seed: int) -> list[Job]:
 
 def _score_all(layout, checkpoints: dict[str, str], batches: list[list[Job]]) -> dict:
     from consumer.checkpoints import load_hf_checkpoint
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
 
     out = {}
     for name, path in checkpoints.items():
@@ -159,7 +159,7 @@ def test_wide_layouts_match_transformers(tp, ep, moe_checkpoints, tp1_scores):
 
 
 def test_expert_gemm_equals_a_per_expert_reference():
-    from consumer.moe_gemm import expert_matmul, swiglu_experts
+    from consumer.forward.moe_gemm import expert_matmul, swiglu_experts
 
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 5, 1])
@@ -178,7 +178,7 @@ def test_expert_gemm_equals_a_per_expert_reference():
 def test_grouped_gemm_call_agrees_with_the_loop():
     """The grouped GEMM as moe_gemm calls it (weights transposed, int32 end offsets), run where
     this torch has it on the CPU: the convention the CUDA path relies on."""
-    from consumer import moe_gemm
+    from consumer.forward import moe_gemm
 
     fn = moe_gemm._grouped_mm_fn()
     if fn is None:
@@ -335,8 +335,8 @@ def test_unsupported_moe_families_are_still_refused(model_type, arch):
 def _torch_dist_worker(rank, world_size, tp, ep, roots, out_root, batches):
     from consumer import cpu_compat
     from consumer.checkpoints import load_megatron_checkpoint, save_megatron_checkpoint
+    from consumer.forward.scoring import Scorer
     from consumer.parallel import init_parallel
-    from consumer.scoring import Scorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=tp, pp=1, ep=ep)
@@ -360,7 +360,7 @@ def test_torch_dist_moe_reloads_at_any_layout(
         load_megatron_checkpoint,
         save_megatron_checkpoint,
     )
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
 
     roots = {}
     for name, path in moe_checkpoints.items():

@@ -23,7 +23,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from consumer import cpu_compat
-from consumer.attention import SdpaCoreAttention
+from consumer.forward.attention import SdpaCoreAttention
 from producer.optim import (
     MegatronStatelessAdamError,
     StatelessAdam,

@@ -58,9 +58,9 @@ def _jobs(requests: list[dict]) -> list:
 def _scorer(tp: int, pp: int, path: str, microbatches: int = 0, ep: int = 1):
     from consumer import cpu_compat
     from consumer.checkpoints import load_teacher
+    from consumer.forward.pipeline import PipelineScorer
+    from consumer.forward.scoring import Scorer
     from consumer.parallel import init_parallel
-    from consumer.pipeline import PipelineScorer
-    from consumer.scoring import Scorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=tp, pp=pp, ep=ep)
@@ -74,9 +74,9 @@ def _scorer(tp: int, pp: int, path: str, microbatches: int = 0, ep: int = 1):
 def _score_worker(
     rank: int, world: int, tp: int, pp: int, path: str, microbatches: int, ep: int = 1
 ):
-    from consumer.agreement import score_agreed
-    from consumer.batching import batch_from_jobs
-    from consumer.faults import FaultInjector
+    from consumer.group.agreement import score_agreed
+    from consumer.group.batching import batch_from_jobs
+    from consumer.group.faults import FaultInjector
 
     scorer = _scorer(tp, pp, path, microbatches, ep)
     layout = scorer.layout
@@ -195,9 +195,9 @@ def test_one_microbatch_and_many_agree(checkpoints, pp1) -> None:
 
 
 def _failing_stage_worker(rank: int, world: int, path: str, failing_rank: int):
-    from consumer.agreement import GroupFailure, score_agreed
-    from consumer.batching import batch_from_jobs
-    from consumer.faults import FaultInjector
+    from consumer.group.agreement import GroupFailure, score_agreed
+    from consumer.group.batching import batch_from_jobs
+    from consumer.group.faults import FaultInjector
 
     scorer = _scorer(1, 2, path)
     batch = batch_from_jobs(_jobs(_requests()))
@@ -235,7 +235,7 @@ def test_a_failing_stage_fails_the_batch_on_every_stage(checkpoints, pp1, failin
 
 
 def test_micro_batches_keep_documents_and_shared_prompts_whole() -> None:
-    from consumer.pipeline import document_cuts, split_rows
+    from consumer.forward.pipeline import document_cuts, split_rows
 
     # documents [0,5) [5,9); a prompt [9,12) with responses [12,15) and [15,20); a document.
     segments = ((0, 5, 0, 0), (5, 9, 5, 5), (9, 12, 9, 9), (12, 15, 9, 12), (15, 20, 9, 12))
@@ -247,7 +247,7 @@ def test_micro_batches_keep_documents_and_shared_prompts_whole() -> None:
 
 
 def test_stage_layers_split_and_refusal() -> None:
-    from consumer.model import stage_layers
+    from consumer.forward.model import stage_layers
 
     assert [len(stage_layers(32, 3, s)) for s in range(3)] == [11, 11, 10]
     assert [stage_layers(3, 2, s) for s in range(2)] == [range(0, 2), range(2, 3)]
@@ -268,9 +268,10 @@ def test_layout_accepts_pipelines() -> None:
 def _peer_gone_worker(rank: int, world: int, path: str):
     import time
 
-    from consumer.agreement import ReplicaBroken, score_agreed
-    from consumer.batching import batch_from_jobs
-    from consumer.faults import FaultInjector
+    from consumer.forward.peers import ReplicaBroken
+    from consumer.group.agreement import score_agreed
+    from consumer.group.batching import batch_from_jobs
+    from consumer.group.faults import FaultInjector
 
     scorer = _scorer(1, 2, path)
     batch = batch_from_jobs(_jobs(_requests()))
@@ -291,7 +292,7 @@ def _peer_gone_worker(rank: int, world: int, path: str):
 def test_a_vanished_stage_breaks_the_replica_instead_of_failing_jobs(checkpoints) -> None:
     # A stage that is gone is not the batch's fault: the leader must not fail (and in the end
     # dead-letter) jobs for it, but end with ReplicaBroken (the process exits; see
-    # consumer/agreement.py), so its entries go to another consumer.
+    # consumer/group/agreement.py), so its entries go to another consumer.
     results = run_gloo(2, _peer_gone_worker, str(checkpoints["llama"]), timeout=scaled(120))
     assert results[1] == "left"
     assert results[0].startswith("broken: ") and "a peer rank is gone" in results[0], results[0]
@@ -301,11 +302,11 @@ def _random_init_worker(rank: int, world: int, pp: int, tied: bool):
     import dataclasses
 
     from consumer import cpu_compat
-    from consumer.batching import batch_from_jobs
-    from consumer.model import TINY, build_model
+    from consumer.forward.model import TINY, build_model
+    from consumer.forward.pipeline import PipelineScorer
+    from consumer.forward.scoring import Scorer
+    from consumer.group.batching import batch_from_jobs
     from consumer.parallel import init_parallel
-    from consumer.pipeline import PipelineScorer
-    from consumer.scoring import Scorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=1, pp=pp)

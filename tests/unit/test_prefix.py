@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.prefix import (
+from consumer.forward.prefix import (
     MIN_SHARED_PREFIX,
     MicroBatch,
     PrefixGroup,
@@ -142,7 +142,7 @@ def test_a_group_over_budget_is_cut_into_chunks_that_repeat_the_prompt() -> None
 
 
 def test_plain_job_lists_still_plan_and_pack_without_sharing() -> None:
-    from consumer.batching import batch_from_jobs
+    from consumer.group.batching import batch_from_jobs
 
     rng = np.random.default_rng(5)
     prompt = _tokens(rng, 100)
@@ -158,7 +158,7 @@ def test_plain_job_lists_still_plan_and_pack_without_sharing() -> None:
 
 
 def _tree_of(jobs: list[Job], groups: list[PrefixGroup]):
-    from consumer.batching import batch_from_jobs
+    from consumer.group.batching import batch_from_jobs
 
     batch = batch_from_jobs(MicroBatch(jobs, groups))
     return batch, pack_tree(batch.input_ids_T, batch.lengths_J, batch.group_J, batch.prefix_len_J)
@@ -273,28 +273,28 @@ def checkpoints(hf_checkpoint) -> dict:
 
 def _scorer(path, layout):
     from consumer.checkpoints import load_hf_checkpoint
-    from consumer.scoring import Scorer
+    from consumer.forward.scoring import Scorer
 
     model, spec = load_hf_checkpoint(path, layout)
     return Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
 
 
 def _score_shared(scorer, jobs: list[Job], threshold: int) -> tuple[MicroBatch, list[dict]]:
-    from consumer.batching import batch_from_jobs
+    from consumer.group.batching import batch_from_jobs
 
     [plan] = plan_shared_microbatches(jobs, token_budget=10_000, min_prefix_tokens=threshold)
     return plan, scorer.score(batch_from_jobs(plan))
 
 
 def _score_alone(scorer, jobs) -> dict[str, dict]:
-    from consumer.batching import batch_from_jobs
+    from consumer.group.batching import batch_from_jobs
 
     return {job.job_id: scorer.score(batch_from_jobs([job]))[0] for job in jobs}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_shared_prompts_score_as_each_job_alone(case, layout, checkpoints, monkeypatch) -> None:
-    from consumer import scoring
+    from consumer.forward import scoring
 
     scorer = _scorer(checkpoints[case], layout)
     jobs, threshold = _workload(seed=7)
@@ -323,7 +323,7 @@ def test_shared_prompts_score_as_each_job_alone(case, layout, checkpoints, monke
 def test_positions_continue_from_the_prompt(layout, checkpoints) -> None:
     # Negative control: the same packing with positions restarting at 0 in each response
     # (what megatron's per-segment RoPE would do) must leave the tolerance by far.
-    from consumer.batching import batch_from_jobs
+    from consumer.group.batching import batch_from_jobs
 
     scorer = _scorer(checkpoints["llama3_rope"], layout)
     jobs, threshold = _workload(seed=8)
@@ -346,8 +346,8 @@ def test_positions_continue_from_the_prompt(layout, checkpoints) -> None:
 def _tp2_worker(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     from consumer import cpu_compat
     from consumer.checkpoints import load_hf_checkpoint
+    from consumer.forward.scoring import Scorer
     from consumer.parallel import init_parallel
-    from consumer.scoring import Scorer
 
     cpu_compat.apply()
     layout = init_parallel(tp=world_size, pp=1)

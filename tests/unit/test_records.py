@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from consumer.batching import OPTION_COLUMNS, BatchTensors, batch_from_jobs
+from consumer.forward.batch import BatchTensors
+from consumer.group.batching import OPTION_COLUMNS, batch_from_jobs
 from producer import datasets as D
 from producer.cli_datasets import submit_dataset_cmd
 from shared.errors import InvalidJob

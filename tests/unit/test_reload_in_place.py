@@ -1,4 +1,4 @@
-"""Weight updates in place (consumer/reload.py `Reloader`), on real Hugging Face checkpoints
+"""Weight updates in place (consumer/serve/reload.py `Reloader`), on real Hugging Face checkpoints
 and a real CPU model: a same-shape checkpoint overwrites the parameters where they are (same
 tensors, new values: the new teacher's), another shape is built anew, and the old weights come
 back when the load fails part-way or a peer rank failed (`undo`)."""
@@ -10,8 +10,8 @@ import torch
 
 from consumer.checkpoints import load_teacher
 from consumer.checkpoints.hf import HfCheckpoint
-from consumer.reload import Reloader
-from consumer.scoring import Scorer
+from consumer.forward.scoring import Scorer
+from consumer.serve.reload import Reloader
 
 
 @pytest.fixture(scope="module")

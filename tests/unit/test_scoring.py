@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from consumer.batching import batch_from_jobs
-from consumer.model import TINY, build_model
-from consumer.scoring import Scorer
+from consumer.forward.model import TINY, build_model
+from consumer.forward.scoring import Scorer
+from consumer.group.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 
 

@@ -1,4 +1,5 @@
-"""The consumer's warm-up (consumer/warmup.py) and compile caches (consumer/compile_cache.py):
+"""The consumer's warm-up (consumer/serve/warmup.py) and compile caches
+(consumer/serve/compile_cache.py):
 the warm-up sends every output combination the queue's limits allow through the real head,
 and the cache directories follow the setting, the environment and the home, in that order."""
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumer import warmup
+from consumer.serve import warmup
 
 
 def _ns(n: int) -> int:
@@ -47,8 +48,8 @@ def test_warmup_sends_every_combination_through_the_head(layout, monkeypatch) ->
     class, top-k on and off, entropy on and off, and label columns and temperatures other than
     1 among its rows: counted at `tp_ops.chunked_head`, which the scorer calls."""
     from consumer import tp_ops
-    from consumer.model import TINY, build_model
-    from consumer.scoring import Scorer
+    from consumer.forward.model import TINY, build_model
+    from consumer.forward.scoring import Scorer
 
     calls: list[tuple] = []
     real = tp_ops.chunked_head
@@ -111,7 +112,7 @@ def test_graph_classes_fill_the_token_budget() -> None:
 def test_compile_cache_follows_setting_then_environment_then_home(tmp_path: Path) -> None:
     """Unset, the caches go under `<home>/compile-cache`, except where the environment names a
     directory already; the setting overrides the environment. The directories exist."""
-    from consumer.compile_cache import apply
+    from consumer.serve.compile_cache import apply
 
     home = tmp_path / "home"
     env: dict[str, str] = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}

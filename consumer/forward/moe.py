@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from consumer.moe_gemm import swiglu, swiglu_experts
-from consumer.spec import ModelSpec
+from consumer.forward.moe_gemm import swiglu, swiglu_experts
+from consumer.forward.spec import ModelSpec
 
 # The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
 CHECKPOINT_ENTRIES = (

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import redis
 import structlog
 
-from consumer.faults import FaultInjector
+from consumer.group.faults import FaultInjector
 from shared.deadletter import DeadLetter
 from shared.errors import NotReplicated
 from shared.messages import TeacherResult

@@ -12,12 +12,12 @@ first batch would otherwise pay for, and how the warm-up reaches it:
   each group; the batches walk the sample-count classes up to `queue.max_sample_n` (and
   `queue.max_top_k` bounds the top-k); every other job carries label ids and a temperature
   other than 1.
-- **CUDA-graph buckets** (`consumer/graphs.py`, CUDA at TP = 1, dense teachers). A graph is
+- **CUDA-graph buckets** (`consumer/forward/graphs.py`, CUDA at TP = 1, dense teachers). A graph is
   recorded the first time its bucket comes; a full batch of documents of one length class
   (128, 256, ... up to 8192 tokens) fills one bucket, so the warm-up records each of those.
   Batches of mixed lengths may still meet a bucket for the first time (one eager forward and
   a recording, a few milliseconds at 1.5B).
-- **Compiled kernels persist** in `consumer.compile_cache_dir` (consumer/compile_cache.py), so
+- **Compiled kernels persist** in `consumer.compile_cache_dir` (consumer/serve/compile_cache.py), so
   a restart loads what the last run compiled.
 
 `plan` says what to run (pure, testable without a model); `run` scores it on a `Scorer`.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
-from consumer.batching import batch_from_jobs
-from consumer.graphs import MAX_GRAPHED_SPAN, MIN_SPAN
+from consumer.forward.graphs import MAX_GRAPHED_SPAN, MIN_SPAN
+from consumer.group.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 
 log = structlog.get_logger("teacherq.consumer")

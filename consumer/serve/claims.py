@@ -3,7 +3,7 @@
 Order of sources, per call of `next_entries`:
 1. this consumer's own pending list (ID 0) until it is empty — work it held before a restart
    under the same name;
-2. entries of dead consumers (consumer/liveness.py: heartbeat silent for a few intervals, or
+2. entries of dead consumers (consumer/serve/liveness.py: heartbeat silent for a few intervals, or
    stopped), taken over at once — without waiting for the visibility timeout;
 3. entries idle past the visibility timeout (XPENDING IDLE, cursor kept across calls, so a long
    pending list is walked, not rescanned). Live consumers refresh their in-flight entries every
@@ -27,7 +27,7 @@ from typing import Any, cast
 import redis
 import structlog
 
-from consumer.liveness import Reaper, is_dead, peers
+from consumer.serve.liveness import Reaper, is_dead, peers
 from shared import keys
 from shared.streams import Entry, StreamReply, Streams
 

@@ -2,60 +2,47 @@
 
 Only the leader rank of a replica talks to Redis. Per batch it:
 1. takes entries from the claimer (own pending list, then idle entries of dead consumers,
-   then new ones) — on a prefetch thread (consumer/prefetch.py), so the next batch is claimed
+   then new ones) — on a prefetch thread (consumer/serve/prefetch.py), so the next batch is claimed
    while the device computes;
-2. admits them (consumer/intake.py): invalid entries and entries delivered more than
-   `max_deliveries` times go to the dead-letter stream at once (consumer/failures.py);
+2. admits them (consumer/serve/intake.py): invalid entries and entries delivered more than
+   `max_deliveries` times go to the dead-letter stream at once (consumer/serve/failures.py);
    jobs that already have a result are acknowledged without recomputing;
 3. packs the rest into token-budgeted micro-batches, and the group scores each
-   (consumer/batch_runner.py, agreeing on failure through consumer/agreement.py); a failed
-   batch is split and each job retried alone, and a job that fails alone is dead-lettered;
-4. hands each result to background writers (consumer/writer.py): bulk arrays to object
+   (consumer/serve/batch_runner.py, agreeing on failure through consumer/group/agreement.py); a
+   failed batch is split and each job retried alone, and a job that fails alone is dead-lettered;
+4. hands each result to background writers (consumer/serve/writer.py): bulk arrays to object
    storage, then one atomic script writes the record, announces it and XACKs. A crash
    anywhere before that means a redelivery, never a loss.
-Between batches it applies control commands and idle sleep (consumer/control.py) and trims
-the stream (consumer/retention.py). consumer/service.py builds the Leader.
+Between batches it applies control commands and idle sleep (consumer/serve/control.py) and trims
+the stream (consumer/serve/retention.py). consumer/serve/assemble.py builds the Leader
+(`build_leader`); consumer/serve/service.py calls it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import redis
 import structlog
 
-from consumer.agreement import ReplicaBroken
-from consumer.batch_runner import BatchRunner
-from consumer.batching import broadcast_batch
-from consumer.claims import Claimer
-from consumer.control import Control
-from consumer.failures import DeadLetters
-from consumer.faults import FaultInjector
-from consumer.heartbeat import Heartbeat
-from consumer.intake import Intake
-from consumer.liveness import consumer_name
-from consumer.metrics import ConsumerMetrics
-from consumer.prefetch import Prefetcher
-from consumer.prefix import plan_shared_microbatches
-from consumer.preflight import check_redis
-from consumer.pressure import MemoryWatch
-from consumer.replica import Counters, LoadedModel
-from consumer.retention import Janitor
-from consumer.scoring import Scorer
-from consumer.stop import StopFlag
-from consumer.writer import ResultWriter, WriteTask
-from shared import keys, weights
-from shared.messages import Limits
+from consumer.forward.peers import ReplicaBroken
+from consumer.forward.prefix import plan_shared_microbatches
+from consumer.group.batching import broadcast_batch
+from consumer.serve.prefetch import Prefetcher
+from consumer.serve.preflight import check_redis
+from consumer.serve.writer import WriteTask
+from shared import weights
 from shared.queue_metrics import QueueCollector
-from shared.settings import Settings
-from shared.storage import ObjectStore
-from shared.streams import Entry, Streams
+from shared.streams import Entry
 from shared.tracing import new_id, now
+
+if TYPE_CHECKING:
+    from consumer.serve.assemble import LeaderParts
 
 log = structlog.get_logger("teacherq.consumer")
 
@@ -65,128 +52,37 @@ class Leader:
 
     def __init__(
         self,
+        parts: LeaderParts,
         *,
-        settings: Settings,
-        scorer: Scorer,
-        client: redis.Redis,
-        store: ObjectStore,
-        model_version: str,
-        stop: StopFlag,
-        faults: FaultInjector,
-        reload: Callable[[str], tuple[Scorer, str]] | None = None,
-        generation: int = 0,
-        control_cursor: str = "0-0",
         ready_phases: Callable[[], dict[str, float]] | None = None,
-        model_path: str = "",
     ) -> None:
-        self.s = settings
+        """Run the parts `build_leader` (consumer/serve/assemble.py) built and connected."""
+        self.s = settings = parts.settings
         self._ready_phases = ready_phases  # seconds per start-up phase, for consumer.ready
-        self.c = c = settings.consumer
-        self.r = client
-        self.stop = stop
-        self.faults = faults
+        self.c = settings.consumer
+        self.r = parts.client
+        self.stop = parts.stop
+        self.faults = parts.faults
         self.queue = settings.queue.name
-        self.loaded = LoadedModel(
-            scorer=scorer, version=model_version, generation=generation, path=model_path
-        )
-        self.counters = Counters()
-        self.streams = Streams(client, self.queue, settings.queue.group)
-        layout = scorer.layout
-        self.name = consumer_name(c.name, dp_rank=layout.dp_rank, dp=layout.dp, env=os.environ)
-        self.claimer = Claimer(
-            self.streams,
-            self.name,
-            visibility_timeout_s=c.visibility_timeout_s,
-            block_ms=c.block_ms,
-            consumers_key=keys.consumers_key(self.queue),
-            heartbeat_interval_s=c.heartbeat_interval_s,
-            dead_after_beats=c.dead_after_beats,
-        )
-        self.heartbeat = Heartbeat(
-            client=client,
-            key=keys.consumers_key(self.queue),
-            name=self.name,
-            claimer=self.claimer,
-            interval_s=c.heartbeat_interval_s,
-            job_timeout_s=c.job_timeout_s,
-            describe=self._describe,
-        )
-        self.writer = ResultWriter(
-            streams=self.streams,
-            store=store,
-            queue=self.queue,
-            inline_max_bytes=settings.queue.inline_max_bytes,
-            ttl_s=settings.queue.result_ttl_s,
-            threads=c.store_threads,
-            faults=faults,
-            on_done=self._written,
-            max_queued=c.max_queued_writes,
-            redis_cfg=settings.redis,
-        )
-        self.memory = MemoryWatch(
-            client,
-            pause_fraction=c.memory_pause_fraction,
-            writes_refused=lambda: self.writer.under_pressure,
-            key=self.streams.jobs,
-        )
+        self.loaded = parts.loaded
+        self.counters = parts.counters
+        self.streams = parts.streams
+        self.name = parts.name
+        self.claimer = parts.claimer
+        self.heartbeat = parts.heartbeat
+        self.writer = parts.writer
+        self.memory = parts.memory
+        self.metrics = parts.metrics
+        self.dead_letters = parts.dead_letters
+        self.intake = parts.intake
+        self.runner = parts.runner
+        self.control = parts.control
+        self.janitor = parts.janitor
+        # The leader's own hooks: what the heartbeat records, what a finished write counts.
+        self.heartbeat.describe = self._describe
+        self.writer.on_done = self._written
         self.heartbeat.on_beat += [self._sample_memory, self._notice_stop]
         self._model_published = False
-        self.metrics = ConsumerMetrics(
-            queue=self.queue,
-            consumer=self.name,
-            health_max_age_s=max(30.0, 3 * c.heartbeat_interval_s),
-            busy_max_s=c.job_timeout_s,
-        )
-        self.dead_letters = DeadLetters(
-            writer=self.writer, metrics=self.metrics, loaded=self.loaded, consumer=self.name
-        )
-        # The queue's limits, capped to what the served model takes.
-        limits = Limits.for_queue(
-            settings.queue,
-            vocab_size=scorer.spec.vocab_size,
-            model_max_tokens=scorer.spec.max_input_tokens,
-        )
-        self.intake = Intake(
-            client=client,
-            streams=self.streams,
-            heartbeat=self.heartbeat,
-            metrics=self.metrics,
-            counters=self.counters,
-            dead_letters=self.dead_letters,
-            loaded=self.loaded,
-            limits=limits,
-            max_deliveries=c.max_deliveries,
-            consumer=self.name,
-            writer=self.writer,
-        )
-        self.runner = BatchRunner(
-            loaded=self.loaded,
-            client=client,
-            streams=self.streams,
-            writer=self.writer,
-            heartbeat=self.heartbeat,
-            metrics=self.metrics,
-            counters=self.counters,
-            faults=faults,
-            dead_letters=self.dead_letters,
-            max_deliveries=c.max_deliveries,
-            consumer=self.name,
-            batches_in_flight=c.batches_in_flight,
-        )
-        self.control = Control(
-            settings=c,
-            client=client,
-            queue=self.queue,
-            consumer=self.name,
-            loaded=self.loaded,
-            heartbeat=self.heartbeat,
-            writer=self.writer,
-            finish_inflight=self.runner.finish_inflight,
-            reload=reload,
-            cursor=control_cursor,
-            configured_path=settings.model.path or "",
-        )
-        self.janitor = Janitor(client, self.streams.jobs, interval_s=c.janitor_interval_s)
         self._counter_lock = threading.Lock()
         self._busy_streak = False  # work at hand since the queue last ran dry
         # The streak's start (perf_counter), and the busy and idle seconds counted before it.

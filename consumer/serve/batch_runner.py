@@ -19,14 +19,16 @@ import redis
 import structlog
 import torch.distributed as dist
 
-from consumer.agreement import PHASES, Scored, describe_error, launch_agreed, peers_alive
-from consumer.batching import BatchTensors, batch_from_jobs, broadcast_batch
-from consumer.failures import DeadLetters
-from consumer.faults import FaultInjector
-from consumer.heartbeat import Heartbeat
-from consumer.metrics import ConsumerMetrics
-from consumer.replica import Counters, LoadedModel
-from consumer.writer import ResultWriter, WriteTask
+from consumer.forward.batch import BatchTensors
+from consumer.forward.peers import peers_alive
+from consumer.group.agreement import PHASES, Scored, describe_error, launch_agreed
+from consumer.group.batching import batch_from_jobs, broadcast_batch
+from consumer.group.faults import FaultInjector
+from consumer.serve.failures import DeadLetters
+from consumer.serve.heartbeat import Heartbeat
+from consumer.serve.metrics import ConsumerMetrics
+from consumer.serve.replica import Counters, LoadedModel
+from consumer.serve.writer import ResultWriter, WriteTask
 from shared.keys import THROUGHPUT_MAXLEN, throughput_stream
 from shared.messages import Job, TeacherResult
 from shared.streams import Streams

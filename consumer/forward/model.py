@@ -24,11 +24,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional as F
 
 from consumer import kernels
-from consumer.attention import SdpaCoreAttention, TreeBounds
-from consumer.mla import HeadSplit, TeacherMLA, rope_table
-from consumer.moe import CHECKPOINT_ENTRIES, ExpertLayout, TeacherMoE
+from consumer.forward.attention import SdpaCoreAttention, TreeBounds
+from consumer.forward.mla import HeadSplit, TeacherMLA, rope_table
+from consumer.forward.moe import CHECKPOINT_ENTRIES, ExpertLayout, TeacherMoE
+from consumer.forward.spec import TINY, TINY_SEED, VOCAB_PAD_MULTIPLE, ModelSpec
 from consumer.parallel import ParallelLayout
-from consumer.spec import TINY, TINY_SEED, VOCAB_PAD_MULTIPLE, ModelSpec
 
 __all__ = [
     "TINY",
@@ -370,7 +370,9 @@ def _moe_block_spec(spec: ModelSpec, layout: ParallelLayout, layer_spec, indices
 
 def _rope_kwargs(spec: ModelSpec) -> dict:
     scaling = spec.rope_scaling
-    if not scaling or spec.is_mla:  # latent attention computes its own tables (consumer/mla.py)
+    if (
+        not scaling or spec.is_mla
+    ):  # latent attention computes its own tables (consumer/forward/mla.py)
         return {}
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "llama3":

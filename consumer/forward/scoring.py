@@ -5,8 +5,8 @@ batch's largest top-k and sample count and its widest label set, and each job ke
 slice (a top-k prefix is the smaller top-k; sample j is keyed by j, so a prefix of the samples
 is exactly what a smaller sample_n would draw).
 
-Jobs that share a prompt (`consumer/prefix.py`) share its forward rows, and its head rows too
-where their seed and temperature agree (see `_head_rows`); each job still gets exactly the
+Jobs that share a prompt (`consumer/forward/prefix.py`) share its forward rows, and its head rows
+too where their seed and temperature agree (see `_head_rows`); each job still gets exactly the
 rows it would get scored alone.
 """
 
@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from consumer import tp_ops
-from consumer.attention import TreeBounds, VarlenLayout
-from consumer.batching import BatchTensors
-from consumer.graphs import GraphedForward, eager_forward
-from consumer.model import ModelSpec, TeacherGPTModel
+from consumer.forward.attention import TreeBounds, VarlenLayout
+from consumer.forward.batch import BatchTensors
+from consumer.forward.graphs import GraphedForward, eager_forward
+from consumer.forward.model import ModelSpec, TeacherGPTModel
+from consumer.forward.prefix import PackedTree
 from consumer.parallel import ParallelLayout
-from consumer.prefix import PackedTree
 from consumer.transfer import to_device
 from shared.tracing import PhaseClock
 

@@ -6,7 +6,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from consumer.stop import StopFlag
+from consumer.serve.stop import StopFlag
 from shared.streams import Entry
 
 

@@ -8,8 +8,8 @@ the update. A checkpoint that fails the check or the load on any rank fails the 
 replica that loaded an update another replica failed on goes back to the active weights.
 A replica idle for `consumer.sleep_after_idle_s` offloads its weights (SLEEP) and takes them
 back (WAKE) when work arrives. A new control command goes in `check`; one the followers must
-obey too gets its own broadcast word in consumer/batching.py and a branch in
-consumer/follower.py.
+obey too gets its own broadcast word in consumer/group/batching.py and a branch in
+consumer/serve/follower.py.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import redis
 import structlog
 import torch.distributed as dist
 
-from consumer.batching import RELOAD, SLEEP, WAKE, broadcast_header, broadcast_text
-from consumer.heartbeat import Heartbeat
-from consumer.reload import check_weights, load_agreed
-from consumer.replica import LoadedModel
-from consumer.scoring import Scorer
-from consumer.writer import ResultWriter
+from consumer.forward.scoring import Scorer
+from consumer.group.batching import RELOAD, SLEEP, WAKE, broadcast_header, broadcast_text
+from consumer.serve.heartbeat import Heartbeat
+from consumer.serve.reload import check_weights, load_agreed
+from consumer.serve.replica import LoadedModel
+from consumer.serve.writer import ResultWriter
 from shared import keys, weights
 from shared.settings import ConsumerSettings
 from shared.streams import StreamReply

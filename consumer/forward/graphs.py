@@ -51,7 +51,7 @@ import numpy as np
 import structlog
 import torch
 
-from consumer.attention import TreeBounds, VarlenLayout, segment_arrays
+from consumer.forward.attention import TreeBounds, VarlenLayout, segment_arrays
 from consumer.tp_ops import to_device
 
 log = structlog.get_logger("teacherq.consumer")

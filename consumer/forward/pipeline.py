@@ -17,7 +17,7 @@ pp = 1: one rank talks to Redis and storage, so store-then-acknowledge keeps its
 
 Failures: a stage that fails on a micro-batch still sends (zeros) and receives everything the
 schedule expects, so no peer waits on it; the error is raised when the batch finishes, where
-the replica's agreement (consumer/agreement.py) fails the batch on every stage alike.
+the replica's agreement (consumer/group/agreement.py) fails the batch on every stage alike.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from consumer.agreement import peers_alive
-from consumer.attention import TreeBounds, VarlenLayout
-from consumer.batching import BatchTensors
-from consumer.prefix import PackedTree
-from consumer.scoring import PendingScore, Scorer
+from consumer.forward.attention import TreeBounds, VarlenLayout
+from consumer.forward.batch import BatchTensors
+from consumer.forward.peers import peers_alive
+from consumer.forward.prefix import PackedTree
+from consumer.forward.scoring import PendingScore, Scorer
 from shared.tracing import PhaseClock
 
 

@@ -9,7 +9,7 @@ Packed batches arrive in megatron's `thd` layout with `TreeBounds`. A plain docu
 causally to itself only; adjacent documents of one length (the usual packed batch) go through
 SDPA as one batch, viewed [documents, length, heads, dim] without a copy.
 
-In batches with shared prompts (`consumer/prefix.py`) a response segment attends to its
+In batches with shared prompts (`consumer/forward/prefix.py`) a response segment attends to its
 prompt's rows and causally to itself. Per response that is one SDPA call with keys = prompt ++
 response and a lower-right-aligned causal mask of shape [r, p + r]
 (`torch.nn.attention.bias.causal_lower_right`): query i of the response sees every prompt key

@@ -2,24 +2,24 @@
 
 Jobs are packed as documents into one row (megatron's `thd` layout), so a micro-batch has no
 padding at all: waste is zero by construction, and a job longer than the budget runs alone.
-`BatchTensors` is what every rank of a tensor-parallel group computes on; the leader builds it
+`BatchTensors` (consumer/forward/batch.py) is what every rank of a tensor-parallel group computes
+on; the leader builds it
 from decoded jobs and broadcasts it to its peers as plain tensors (no pickling), after a
 four-integer header that also carries the group's other commands (stop, reload, sleep, wake).
-Jobs that share a prompt (see `consumer/prefix.py`) are marked per job in `group_J` and
+Jobs that share a prompt (see `consumer/forward/prefix.py`) are marked per job in `group_J` and
 `prefix_len_J`; the jobs' own tokens still travel whole, and each rank packs the prompt once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from functools import cached_property
+from dataclasses import fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from consumer.prefix import PackedTree, pack_tree
+from consumer.forward.batch import BatchTensors
 from shared.messages import Job, RequestOptions
 
 
@@ -58,58 +58,11 @@ OPTION_COLUMNS = _option_columns()
 """The batch column of every request option (`shared.messages.RequestOptions`)."""
 
 
-@dataclass
-class BatchTensors:
-    """One micro-batch as tensors; identical on every rank of a TP group.
-
-    J jobs, T tokens in total, R = T - J scored rows (every position but each job's last).
-    """
-
-    input_ids_T: torch.Tensor  # int64 [T], documents back to back
-    lengths_J: torch.Tensor  # int64 [J]
-    label_width_J: torch.Tensor  # int64 [J]
-    labels_RW: torch.Tensor  # int64 [R, Wmax], zero-padded past each job's width
-    # One column per request option (OPTION_COLUMNS), in RequestOptions order.
-    sample_n_J: torch.Tensor  # int64 [J]
-    top_k_J: torch.Tensor  # int64 [J]
-    return_entropy_J: torch.Tensor  # int64 [J] (0/1)
-    temperature_J: torch.Tensor  # float64 [J]
-    seed_J: torch.Tensor  # int64 [J]
-    group_J: torch.Tensor  # int64 [J], jobs sharing a prompt share an id >= 0; -1 alone
-    prefix_len_J: torch.Tensor  # int64 [J], tokens of the shared prompt (0 alone)
-
-    @property
-    def num_jobs(self) -> int:
-        """J."""
-        return int(self.lengths_J.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        """T."""
-        return int(self.input_ids_T.shape[0])
-
-    @cached_property
-    def packed(self) -> PackedTree:
-        """The packed layout of the batch (`consumer.prefix.pack_tree`), computed once: the
-        checks and the launch both need it (raises ValueError if prompt sharing is
-        inconsistent)."""
-        return pack_tree(self.input_ids_T, self.lengths_J, self.group_J, self.prefix_len_J)
-
-    @property
-    def prefix_tokens_saved(self) -> int:
-        """Forward tokens this batch does not compute because shared prompts run once."""
-        saved = 0
-        for g in torch.unique(self.group_J[self.group_J >= 0]).tolist():
-            members = self.prefix_len_J[self.group_J == g]
-            saved += int(members.sum() - members[0])
-        return saved
-
-
 def batch_from_jobs(jobs: Sequence[Job]) -> BatchTensors:
     """Tensors for a micro-batch of decoded jobs.
 
-    A `consumer.prefix.MicroBatch` also says which jobs share a prompt; any other sequence of
-    jobs is scored with every job as its own document.
+    A `consumer.forward.prefix.MicroBatch` also says which jobs share a prompt; any other sequence
+    of jobs is scored with every job as its own document.
     """
     reqs = [j.request for j in jobs]
     group, prefix = [-1] * len(reqs), [0] * len(reqs)

@@ -11,7 +11,7 @@ micro-batch out as a set of one-level trees:
                     every other job causal over itself, as in plain packing
 
 A job's output rows are then its prompt rows (shared: rows 0..p-1, the last of which predicts
-the job's own first response token) followed by its response rows; see `consumer/scoring.py`
+the job's own first response token) followed by its response rows; see `consumer/forward/scoring.py`
 for how the head shares the prompt rows between jobs whose options agree.
 
 Two ways in: jobs whose requests carry the same `prefix_id` share their longest common prefix,
@@ -178,7 +178,7 @@ def plan_shared_microbatches(
     """Split jobs into micro-batches of at most `token_budget` computed tokens, each shared
     prompt counted once.
 
-    Like `consumer.batching.plan_microbatches` (first fit, in arrival order, a job longer than
+    Like `consumer.group.batching.plan_microbatches` (first fit, in arrival order, a job longer than
     the budget alone), but a group sharing a prompt is placed as one unit costing
     prompt + its responses; a group too big for the budget is cut into chunks that each
     repeat the prompt. `MicroBatch.prefix_tokens_saved` counts what sharing saved.

@@ -12,11 +12,11 @@ import time
 import redis
 import structlog
 
-from consumer.failures import DeadLetters
-from consumer.heartbeat import Heartbeat
-from consumer.metrics import ConsumerMetrics
-from consumer.replica import Counters, LoadedModel
-from consumer.writer import ResultWriter
+from consumer.serve.failures import DeadLetters
+from consumer.serve.heartbeat import Heartbeat
+from consumer.serve.metrics import ConsumerMetrics
+from consumer.serve.replica import Counters, LoadedModel
+from consumer.serve.writer import ResultWriter
 from shared import keys
 from shared.errors import InvalidJob
 from shared.messages import Job, Limits, decode_job

@@ -12,19 +12,19 @@ import structlog
 import torch
 
 from consumer import cpu_compat
-from consumer.attention import varlen_supported
-from consumer.batching import broadcast_text
-from consumer.faults import FaultInjector
-from consumer.follower import follow
-from consumer.graphs import GraphedForward
-from consumer.leader import Leader
-from consumer.load_phases import phase, recording
-from consumer.model import TINY, build_model
+from consumer.forward.attention import varlen_supported
+from consumer.forward.graphs import GraphedForward
+from consumer.forward.load_phases import phase, recording
+from consumer.forward.model import TINY, build_model
+from consumer.forward.scoring import Scorer
+from consumer.group.batching import broadcast_text
+from consumer.group.faults import FaultInjector
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
-from consumer.preflight import UnsafeRedis, preflight
-from consumer.reload import Reloader, load_agreed
-from consumer.scoring import Scorer
-from consumer.stop import StopFlag
+from consumer.serve.assemble import build_leader
+from consumer.serve.follower import follow
+from consumer.serve.preflight import UnsafeRedis, preflight
+from consumer.serve.reload import Reloader, load_agreed
+from consumer.serve.stop import StopFlag
 from shared import weights
 from shared.errors import InvalidCheckpoint
 from shared.settings import Settings
@@ -79,8 +79,8 @@ def build_scorer(
         "device": device,
         "chunk_rows": settings.consumer.head_chunk_rows,
     }
-    if layout.pp > 1:  # consumer/pipeline.py: stage to stage, micro-batches in flight
-        from consumer.pipeline import PipelineScorer
+    if layout.pp > 1:  # consumer/forward/pipeline.py: stage to stage, micro-batches in flight
+        from consumer.forward.pipeline import PipelineScorer
 
         return PipelineScorer(**common, microbatches=settings.parallel.microbatches), version
     return Scorer(**common, graphs=graphed_forward(model, settings, layout, device)), version
@@ -89,7 +89,7 @@ def build_scorer(
 def graphed_forward(
     model: torch.nn.Module, settings: Settings, layout: ParallelLayout, device: torch.device
 ) -> GraphedForward | None:
-    """CUDA graphs for the forward where they apply (see consumer/graphs.py)."""
+    """CUDA graphs for the forward where they apply (see consumer/forward/graphs.py)."""
     graphs = settings.consumer.cuda_graphs
     moe = any(type(m).__name__ == "TeacherMoE" for m in model.modules())  # data-dependent shapes
     if device.type != "cuda" or layout.tp != 1 or graphs == 0 or moe:
@@ -111,9 +111,9 @@ def last_control_id(client, queue: str) -> str:
 
 
 def warmup(scorer: Scorer, settings: Settings) -> dict[str, object]:
-    """Run every kernel the serving path can launch, on every rank (consumer/warmup.py);
+    """Run every kernel the serving path can launch, on every rank (consumer/serve/warmup.py);
     returns what was warmed, for the start-up log."""
-    from consumer import warmup as warming
+    from consumer.serve import warmup as warming
 
     plan = warming.plan(
         max_top_k=settings.queue.max_top_k,
@@ -300,7 +300,7 @@ def run(
 
         store = ObjectStore.from_settings(settings.storage)
         assert client is not None and choice is not None
-        leader = Leader(
+        leader = build_leader(
             settings=settings,
             scorer=scorer,
             client=client,

@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import structlog
 
-from consumer.agreement import GroupFailure, score_agreed
-from consumer.batching import (
+from consumer.forward.scoring import Scorer
+from consumer.group.agreement import GroupFailure, score_agreed
+from consumer.group.batching import (
     BATCH,
     RELOAD,
     SLEEP,
@@ -17,9 +18,8 @@ from consumer.batching import (
     broadcast_text,
     receive_batch,
 )
-from consumer.faults import FaultInjector
-from consumer.reload import load_agreed
-from consumer.scoring import Scorer
+from consumer.group.faults import FaultInjector
+from consumer.serve.reload import load_agreed
 
 log = structlog.get_logger("teacherq.consumer")
 
@@ -47,8 +47,8 @@ def follow(
         elif word == RELOAD:
             path = broadcast_text("", src=src, group=group)
             if reload is not None:
-                # Every rank loads and all agree (as the leader does in consumer/control.py): a
-                # failure anywhere leaves every rank on its current weights.
+                # Every rank loads and all agree (as the leader does in consumer/serve/control.py):
+                # a failure anywhere leaves every rank on its current weights.
                 loaded, _ = load_agreed(
                     reload,
                     path,

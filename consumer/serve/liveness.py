@@ -1,9 +1,9 @@
 """Which consumers of a queue are alive, by their heartbeat; pruning the dead ones.
 
-A consumer records a heartbeat every `heartbeat_interval_s` (consumer/heartbeat.py), also while
-Redis is full. One whose record is older than `dead_after_beats` intervals, or that recorded
-`stopped`, is dead: its pending entries are taken over at once (consumer/claims.py) rather than
-after the visibility timeout, and once its pending list is empty its name is removed from the
+A consumer records a heartbeat every `heartbeat_interval_s` (consumer/serve/heartbeat.py), also
+while Redis is full. One whose record is older than `dead_after_beats` intervals, or that recorded
+`stopped`, is dead: its pending entries are taken over at once (consumer/serve/claims.py) rather
+than after the visibility timeout, and once its pending list is empty its name is removed from the
 group (XGROUP DELCONSUMER) and its heartbeat record deleted, so restarts under new names
 leave nothing behind. A consumer that beats again meanwhile (restarted under the same name)
 is left alone.

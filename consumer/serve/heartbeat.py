@@ -24,7 +24,7 @@ from typing import Any
 import redis
 import structlog
 
-from consumer.claims import Claimer
+from consumer.serve.claims import Claimer
 
 log = structlog.get_logger("teacherq.heartbeat")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import structlog
 
-from consumer.metrics import ConsumerMetrics
-from consumer.replica import LoadedModel
-from consumer.writer import ResultWriter, WriteTask
+from consumer.serve.metrics import ConsumerMetrics
+from consumer.serve.replica import LoadedModel
+from consumer.serve.writer import ResultWriter, WriteTask
 from shared.deadletter import DeadLetter
 from shared.messages import TeacherResult, entry_tokens
 

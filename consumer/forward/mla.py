@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from consumer.attention import SdpaCoreAttention, TreeBounds
-from consumer.spec import ModelSpec
+from consumer.forward.attention import SdpaCoreAttention, TreeBounds
+from consumer.forward.spec import ModelSpec
 
 # transformers builds the latent norms (q_a_layernorm, kv_a_layernorm) with its RMSNorm's
 # default epsilon, not the config's rms_norm_eps.

@@ -2,7 +2,7 @@
 
 A weight update (or a start-up on a queue's updated weights) must never take a replica down:
 `load_agreed` runs the load on every rank of the tensor-parallel group and agrees on the
-outcome with one tiny all-reduce (`consumer.agreement.agree`), so a checkpoint that fails on
+outcome with one tiny all-reduce (`consumer.group.agreement.agree`), so a checkpoint that fails on
 any rank is dropped by all of them and the replica goes on serving its current weights.
 `check_weights` is the cheap check a leader runs before telling its peers to load anything.
 """
@@ -16,7 +16,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from consumer.agreement import agree
+from consumer.group.agreement import agree
 
 log = structlog.get_logger("teacherq.consumer")
 

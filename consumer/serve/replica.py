@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from consumer.scoring import Scorer
+from consumer.forward.scoring import Scorer
 
 
 @dataclass
 class LoadedModel:
-    """The model this replica serves now; a weight update (consumer/control.py) replaces all
+    """The model this replica serves now; a weight update (consumer/serve/control.py) replaces all
     three together, and every part reads them from here at use."""
 
     scorer: Scorer

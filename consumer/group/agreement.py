@@ -3,23 +3,23 @@
 A failure on any rank (a bad batch, an injected fault, an error in the model) is reported
 to the whole group with one tiny all-reduce, and raised as `GroupFailure` on every rank
 alike: no rank is left waiting in a collective for a peer that gave up. A peer that is gone
-(killed: the transfer to it fails) raises `ReplicaBroken` instead, which ends the process
-without blaming the batch's jobs. The leader
-(consumer/leader.py) and the followers (consumer/follower.py) call the same steps in the
+(killed: the transfer to it fails) raises `ReplicaBroken` (consumer/forward/peers.py) instead,
+which ends the process without blaming the batch's jobs. The leader
+(consumer/serve/leader.py) and the followers (consumer/serve/follower.py) call the same steps in the
 same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from consumer.batching import BatchTensors
-from consumer.faults import FaultInjector
-from consumer.scoring import PendingScore, Scorer
+from consumer.forward.batch import BatchTensors
+from consumer.forward.peers import peers_alive
+from consumer.forward.scoring import PendingScore, Scorer
+from consumer.group.faults import FaultInjector
 from shared.tracing import PhaseClock
 
 PHASES = ("check", "h2d", "forward", "head", "d2h")  # timed on every rank of a group
@@ -31,22 +31,6 @@ Scored = tuple[list[dict], list[list[float]]]
 
 class GroupFailure(RuntimeError):
     """Some rank of the TP group failed on a batch; every rank knows."""
-
-
-class ReplicaBroken(BaseException):
-    """A peer rank of this replica is gone: a transfer between the replica's pipeline stages
-    failed (its connection reset). The process group cannot recover, and the batch is not to
-    blame, so this is not an `Exception` a batch failure handler takes for the jobs' fault: it
-    ends the process, whose claimed entries go to another consumer (as after a kill)."""
-
-
-@contextmanager
-def peers_alive(what: str) -> Iterator[None]:
-    """Turn a failed transfer inside the block into `ReplicaBroken` (`what` names it)."""
-    try:
-        yield
-    except RuntimeError as exc:
-        raise ReplicaBroken(f"{what} failed, a peer rank is gone: {exc}") from exc
 
 
 def agree(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
