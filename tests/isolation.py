@@ -17,12 +17,16 @@ from pathlib import Path
 
 
 class OutsideReads:
-    """Paths opened outside the checkout and the temp dir, since the last `take()`."""
+    """Paths opened beside the checkout (outside it, the temp dir and the interpreter's
+    folders), since the last `take()`."""
 
     def __init__(self, repo: Path) -> None:
         self.repo = str(repo.resolve())
-        self.watched = (
-            str(repo.resolve().parent),
+        beside = repo.resolve().parent
+        # Never to be read, wherever the checkout lies (a clone in the temp dir included): the
+        # shared folder CI lays beside the checkout, and the user's own teacherq state.
+        self.forbidden = (
+            str(beside / "shared"),
             str(Path.home() / ".local" / "state" / "teacherq"),
         )
         # The temp dir, and the interpreter's own folders (a virtualenv may sit beside the
@@ -34,18 +38,27 @@ class OutsideReads:
             *sysconfig.get_paths().values(),
         }
         self.allowed = (
-            self.repo,
             str(Path(tempfile.gettempdir()).resolve()),
             *sorted(os.path.abspath(p) for p in interpreter if p),
         )
+        # Anything else beside the checkout (sibling checkouts, data folders).
+        self.watched = str(beside)
         self.seen: list[str] = []
 
     def outside(self, path: str) -> bool:
         """True for a path the tests must not open (absolute, or relative to the cwd)."""
         full = os.path.abspath(path)
-        if any(full == a or full.startswith(a + os.sep) for a in self.allowed):
+
+        def under(root: str) -> bool:
+            return full == root or full.startswith(root.rstrip(os.sep) + os.sep)
+
+        if under(self.repo):
             return False
-        return any(full == w or full.startswith(w + os.sep) for w in self.watched)
+        if any(under(f) for f in self.forbidden):
+            return True
+        if any(under(a) for a in self.allowed):
+            return False
+        return under(self.watched)
 
     def hook(self, event: str, args: tuple) -> None:
         """The audit hook: cheap for every event but `open`."""
