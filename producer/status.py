@@ -13,7 +13,10 @@ Figures and where they come from:
   (their millisecond timestamps), tokens from the throughput stream the consumers append one
   entry per batch to (`shared.keys.throughput_stream`); windows use the server's clock;
 - `memory`: Redis's used memory and maxmemory (INFO memory), the growth rate the freshest live
-  consumer measured (its heartbeat's `redis_memory`), and the projected seconds to full.
+  consumer measured (its heartbeat's `redis_memory`), and the projected seconds to full;
+- `replication`: the replicas in sync with the queue's shard (INFO replication) and, from the
+  live consumers' heartbeats (`replica_ack`), whether result writes wait for replica
+  acknowledgement (since when, results held) or go without it (shared/replication.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from rich.table import Table
 from shared import keys, weights
 from shared.keys import throughput_stream
 from shared.memory import memory_fields, read_memory
+from shared.replication import replica_ack_figures, shard_replicas
 
 SAMPLE_ENTRIES = 10  # in-flight entries listed per consumer
 
@@ -133,6 +137,17 @@ def _memory(r: redis.Redis, queue: str, consumers: dict[str, dict[str, Any]]) ->
     return memory_fields(read_memory(r, key=keys.jobs_stream(queue)), rate)
 
 
+def _replication(
+    r: redis.Redis, queue: str, now: float, consumers: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    try:
+        replicas: int | None = shard_replicas(r, queue)
+    except redis.ResponseError:  # INFO refused (a managed service): the heartbeats still tell
+        replicas = None
+    live = [c for c in consumers.values() if c["alive"]]
+    return replica_ack_figures(live, now=now, replicas=replicas)
+
+
 def snapshot(
     r: redis.Redis,
     queue: str,
@@ -169,6 +184,7 @@ def snapshot(
         "consumers": consumers,
         "throughput": _throughput(r, queue, now_ms, window_s),
         "memory": _memory(r, queue, consumers),
+        "replication": _replication(r, queue, now, consumers),
         # Since each consumer started: tokens shared-prefix packing did not have to compute.
         "prefix_tokens_saved": sum(
             int(c.get("prefix_tokens_saved") or 0) for c in consumers.values()
@@ -207,6 +223,29 @@ def _memory_style(m: dict[str, Any]) -> str:
     return "" if f is None or f < 0.85 else ("red" if f >= 0.95 else "yellow")
 
 
+def _replication_text(rep: dict[str, Any]) -> tuple[str, str] | None:
+    """(text, style) of the replication row; None when writes wait for no replica and none
+    were made without."""
+    n, have = rep["min_replicas_acked"], rep["replicas"]
+    if not n and not rep["unreplicated_writes"]:
+        return None
+    text = f"{_num(have)} replicas in sync, writes need {n}"
+    if rep["waiting_since"] is not None:
+        held = rep["held_results"]
+        return (
+            text + f": WAITING for replica acks for {_age(rep['waiting_s'])}, "
+            f"{held:,} results held (add a replica, or replica_ack_policy=degrade)",
+            "red",
+        )
+    if rep["degraded_since"] is not None:
+        return text + f": writing WITHOUT replica acks ({rep['unreplicated_writes']:,} so far)", (
+            "yellow"
+        )
+    if rep["unreplicated_writes"]:
+        text += f" ({rep['unreplicated_writes']:,} written without acks earlier)"
+    return text, "yellow" if have is not None and have <= n else ""
+
+
 def render(snap: dict[str, Any]) -> Group:
     """The snapshot as rich tables: queue figures, work in flight, consumers."""
     t = snap["throughput"]
@@ -235,6 +274,9 @@ def render(snap: dict[str, Any]) -> Group:
     m = snap.get("memory")
     if m:
         q.add_row("Redis memory", _memory_text(m), style=_memory_style(m))
+    rep = _replication_text(snap["replication"]) if snap.get("replication") else None
+    if rep:
+        q.add_row("replication", rep[0], style=rep[1])
 
     f = Table(title="in flight", title_justify="left")
     for col in ("consumer", "entries", "last read", "oldest entry idle", "max deliveries"):

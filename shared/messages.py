@@ -482,6 +482,10 @@ class TeacherResult:
     metadata: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # False: stored while the queue's shard lacked the replicas `redis.min_replicas_acked`
+    # asks for (redis.replica_ack_policy=degrade); a failover before a replica caught up
+    # could lose this record, and the job would then be computed again.
+    replicated: bool = True
 
     @property
     def ok(self) -> bool:
@@ -498,5 +502,5 @@ class TeacherResult:
         for k in RESULT_ARRAYS:
             v = getattr(self, k)
             out[k] = None if v is None else v.tolist()
-        out.update(metadata=self.metadata, error=self.error)
+        out.update(metadata=self.metadata, error=self.error, replicated=self.replicated)
         return out

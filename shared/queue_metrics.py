@@ -12,6 +12,11 @@ are gauges, so there are no `_created` series. Where several processes serve the
     teacherq_queue_dead_letters            entries in the dead-letter stream
     teacherq_queue_live_consumers          consumers whose heartbeat is fresh
     teacherq_queue_oldest_pending_seconds  age of the oldest job not acknowledged (0: none)
+    teacherq_queue_shard_replicas          replicas in sync with the queue's shard primary
+    teacherq_queue_replica_ack_waiting_seconds  how long result writes have waited for
+                                           replica acks (0: not waiting)
+    teacherq_queue_replica_ack_held_results  results held waiting for replica acks
+    teacherq_queue_unreplicated_writes     results live consumers stored without replica acks
     teacherq_queue_up                      1 if the last scrape could read the queue, else 0
 """
 
@@ -28,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared import keys
+from shared.replication import replica_ack_figures, shard_replicas
 from shared.streams import Entry
 
 log = structlog.get_logger("teacherq.queue_metrics")
@@ -39,6 +45,12 @@ METRICS = {
     "dead_letters": "Entries in the dead-letter stream.",
     "live_consumers": "Consumers whose heartbeat is fresh and who have not stopped.",
     "oldest_pending_seconds": "Age of the oldest job submitted and not acknowledged; 0: none.",
+    "shard_replicas": "Replicas in sync with the primary holding the queue (its shard).",
+    "replica_ack_waiting_seconds": "How long result writes have waited for the replica "
+    "acknowledgement redis.min_replicas_acked asks for; 0: not waiting.",
+    "replica_ack_held_results": "Results held by consumers waiting for replica acknowledgement.",
+    "unreplicated_writes": "Results live consumers stored without replica acknowledgement "
+    "(redis.replica_ack_policy=degrade), since they started.",
 }
 
 
@@ -74,21 +86,31 @@ def queue_figures(
         summary = r.xpending(stream, group)
         if summary.get("min"):
             oldest.append(_entry_ms(summary["min"]))
-    live = 0
+    live: list[dict[str, Any]] = []
     for raw in cast(dict[bytes, bytes], r.hgetall(keys.consumers_key(queue))).values():
         try:
             beat: dict[str, Any] = json.loads(raw)
         except ValueError:
             continue
         fresh = now_ms / 1000 - float(beat.get("time", 0)) < live_after_s
-        live += int(fresh and beat.get("state") != "stopped")
+        if fresh and beat.get("state") != "stopped":
+            live.append(beat)
+    try:
+        replicas: int | None = shard_replicas(r, queue)
+    except redis.ResponseError:  # INFO refused (a managed service)
+        replicas = None
+    acks = replica_ack_figures(live, now=now_ms / 1000, replicas=replicas)
     return {
         "lag": lag,
         "in_flight": float(in_flight),
         "pending_tokens": float(int(r.get(keys.pending_tokens_key(queue)) or 0)),
         "dead_letters": float(r.xlen(keys.dead_stream(queue))),
-        "live_consumers": float(live),
+        "live_consumers": float(len(live)),
         "oldest_pending_seconds": max(0.0, (now_ms - min(oldest)) / 1000) if oldest else 0.0,
+        "shard_replicas": math.nan if replicas is None else float(replicas),
+        "replica_ack_waiting_seconds": float(acks["waiting_s"]),
+        "replica_ack_held_results": float(acks["held_results"]),
+        "unreplicated_writes": float(acks["unreplicated_writes"]),
     }
 
 

@@ -237,7 +237,7 @@ def await_replicas(client: redis.Redis, queue: str, cfg: RedisSettings) -> None:
     if acked < n:
         raise NotReplicated(
             f"queue {queue}: a write reached {acked} of TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n} "
-            f"replicas within {cfg.replica_ack_timeout_s:.0f}s (replicas down or lagging?)"
+            f"replicas within {cfg.replica_ack_timeout_s:g}s (replicas down or lagging?)"
         )
 
 

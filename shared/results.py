@@ -89,6 +89,8 @@ def decode_record(
         metadata=meta.get("metadata") or {},
         timings=meta.get("timings") or {},
         error=meta.get("error"),
+        # Marked by a consumer writing without its replica acknowledgement (replica_ack.py).
+        replicated=fields.get(b"replicated") != b"0",
     )
     obj = meta.get("object")
     if obj:

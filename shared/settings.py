@@ -75,7 +75,15 @@ class RedisSettings(_Section):
 
     replica_ack_timeout_s: float = Field(default=10.0, gt=0)
     """With min_replicas_acked: how long to wait for the replicas before the write is
-    reported as not replicated (submit raises; a consumer retries the write)."""
+    reported as not replicated (submit raises; a consumer follows `replica_ack_policy`)."""
+
+    replica_ack_policy: Literal["wait", "degrade"] = "wait"
+    """What a consumer does when its writes cannot reach `min_replicas_acked` replicas within
+    `replica_ack_timeout_s` (the queue's shard lost its replicas, e.g. after a failover):
+    `wait` (durability first) holds the results and retries until a replica is back;
+    `degrade` writes them without the acknowledgement, marked (`TeacherResult.replicated` is
+    False), logged and counted, and goes back to acknowledged writes as soon as the shard has
+    the replicas again. Submits always wait (they raise NotReplicated)."""
 
     @model_validator(mode="after")
     def _mode_needs_url(self) -> RedisSettings:

@@ -3,9 +3,9 @@ only fixtures) or from another test module. Processes and servers are `tests/pro
 numeric references `tests/reference.py`'s, the tracing consumer stand-in
 `tests/trace_stand_in.py`'s.
 
-Here: the repository root; waiting for consumers; fast-failing consumer settings, job sets and
-the exactly-once check of the fault tests; request mixes; CLI error lines; head calls from
-flat keyword arguments.
+Here: the repository root; waiting for consumers; fast-failing consumer settings, queues on a
+cluster's shards, job sets and the exactly-once check of the fault tests; request mixes; CLI
+error lines; head calls from flat keyword arguments.
 """
 
 from __future__ import annotations
@@ -79,6 +79,34 @@ def fast(settings: Settings, **consumer: object) -> Settings:
     }
     base.update(consumer)
     return settings.model_copy(update={"consumer": settings.consumer.model_copy(update=base)})
+
+
+def queues_on_distinct_shards(n: int, prefix: str) -> list[str]:
+    """n queue names whose hash tags fall in n different thirds of the slot space (one per
+    primary as tests/processes.py's ValkeyCluster assigns them)."""
+    from redis.crc import key_slot
+
+    names: dict[int, str] = {}
+    i = 0
+    while len(names) < n:
+        name = f"{prefix}{i}"
+        third = key_slot(keys.jobs_stream(name).encode()) * 3 // 16384
+        names.setdefault(third, name)
+        i += 1
+    return [names[t] for t in sorted(names)][:n]
+
+
+def cluster_settings(url: str, queue: str, tmp_path: Path, **redis_extra: object) -> Settings:
+    """Settings of a queue on a Valkey Cluster, writes acknowledged by one replica (unless
+    `redis_extra` says otherwise), results under `tmp_path`, fast-failing consumers."""
+    s = Settings(
+        redis={"url": url, "mode": "cluster", "min_replicas_acked": 1, **redis_extra},
+        queue={"name": queue},
+        storage={"url": f"file://{tmp_path / 'objects'}"},
+        consumer={"block_ms": 200},
+        log={"format": "json"},
+    )
+    return fast(s, visibility_timeout_s=5.0, job_timeout_s=30.0)
 
 
 def job_set(n: int = 12, seed: int = 0) -> list[TeacherRequest]:

@@ -155,12 +155,14 @@ def _wait(what: str, check: Callable[[], bool], *, timeout: float) -> None:
 
 
 class ValkeyCluster:
-    """A real Valkey Cluster on loopback: `masters` primaries, each with one replica, formed
-    by hand (CLUSTER ADDSLOTSRANGE, CLUSTER MEET, CLUSTER REPLICATE) from the same
+    """A real Valkey Cluster on loopback: `masters` primaries, each with `replicas` replicas,
+    formed by hand (CLUSTER ADDSLOTSRANGE, CLUSTER MEET, CLUSTER REPLICATE) from the same
     valkey-server the other tests run. `node_timeout_ms` is short so that a killed primary
     is replaced by its replica within seconds (automatic failover)."""
 
-    def __init__(self, root: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, root: Path, *, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+    ) -> None:
         flags = (
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
@@ -168,8 +170,9 @@ class ValkeyCluster:
             "--cluster-replica-validity-factor", "0",  # a replica may always take over
         )  # fmt: skip
         self.nodes: list[Valkey] = []
+        self.masters = masters
         try:
-            for i in range(2 * masters):
+            for i in range((1 + replicas) * masters):
                 d = root / f"node{i}"
                 d.mkdir(parents=True)
                 self.nodes.append(Valkey(d, *flags, port=_cluster_port()))
@@ -200,10 +203,30 @@ class ValkeyCluster:
             )
 
         _wait("every node knowing every other", all_known, timeout=scaled(30))
-        for primary, replica in zip(self.nodes[:masters], self.nodes[masters:], strict=True):
-            node_id = self.client(primary).execute_command("CLUSTER MYID")
+        for i, replica in enumerate(self.nodes[masters:]):
+            node_id = self.client(self.nodes[i % masters]).execute_command("CLUSTER MYID")
             self.client(replica).execute_command("CLUSTER REPLICATE", node_id)
         self.wait_ok()
+        self.wait_replicas((len(self.nodes) - masters) // masters)
+
+    def replicas_of(self, primary: Valkey) -> int:
+        """Replicas in sync with `primary` (INFO replication, state online)."""
+        info = self.client(primary).info("replication")
+        return sum(
+            1
+            for k, v in info.items()
+            if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+        )
+
+    def wait_replicas(self, n: int, *, timeout: float = scaled(60.0)) -> None:
+        """Block until every live primary has `n` replicas in sync."""
+
+        def synced() -> bool:
+            step = 16384 // self.masters
+            primaries = [self.primary_of_slot(i * step) for i in range(self.masters)]
+            return all(self.replicas_of(p) >= n for p in primaries)
+
+        _wait(f"{n} replicas per primary", synced, timeout=timeout)
 
     def wait_ok(self, *, timeout: float = scaled(30.0)) -> None:
         """Block until every live node reports cluster_state:ok and every slot is served."""
@@ -221,7 +244,10 @@ class ValkeyCluster:
 
     def primary_of(self, key: str) -> Valkey:
         """The live node serving `key`'s slot as primary now."""
-        slot = key_slot(key.encode())
+        return self.primary_of_slot(key_slot(key.encode()))
+
+    def primary_of_slot(self, slot: int) -> Valkey:
+        """The live node serving `slot` as primary now."""
         for node in self.nodes:
             if node.proc.poll() is not None:
                 continue
@@ -229,7 +255,7 @@ class ValkeyCluster:
                 if start <= slot <= end:
                     port = int(_[0][1])
                     return next(x for x in self.nodes if x.port == port)
-        raise LookupError(f"no node serves {key}")
+        raise LookupError(f"no node serves slot {slot}")
 
     def stop(self) -> None:
         """Stop every node that still runs."""

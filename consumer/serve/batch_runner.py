@@ -229,6 +229,12 @@ class BatchRunner:
             },
             **arrays,
         )
+        if self.writer.full():
+            # Waiting for the writers (Redis full, replicas missing) is not the device
+            # hanging: the watchdog's clock stops meanwhile and starts again after.
+            self.heartbeat.batch_started = None
+            self.writer.wait_for_room()
+            self._heartbeat_batch()
         self.writer.submit(
             WriteTask(
                 result=result,

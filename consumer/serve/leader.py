@@ -82,6 +82,8 @@ class Leader:
         self.heartbeat.describe = self._describe
         self.writer.on_done = self._written
         self.heartbeat.on_beat += [self._sample_memory, self._notice_stop]
+        if self.writer.acks is not None:  # writes made without their replicas are counted
+            self.writer.acks.on_unreplicated = self.metrics.unreplicated_write
         self._model_published = False
         self._counter_lock = threading.Lock()
         self._busy_streak = False  # work at hand since the queue last ran dry
@@ -102,6 +104,8 @@ class Leader:
             "device_idle_fraction": c.idle_fraction,
             "prefix_tokens_saved": c.prefix_tokens_saved,
             "deleted_entries": self.claimer.stats.deleted,
+            # With redis.min_replicas_acked: waiting for replicas, or writing without them.
+            **({"replica_ack": self.writer.acks.describe()} if self.writer.acks else {}),
         }
 
     def run(self) -> None:

@@ -91,6 +91,11 @@ class ConsumerMetrics:
         self._duplicates = counter(
             "teacherq_duplicates_skipped", "Entries acknowledged without computing (had a result)."
         ).labels(*lv)
+        self._unreplicated = counter(
+            "teacherq_unreplicated_writes",
+            "Results stored without the replica acknowledgement redis.min_replicas_acked asks "
+            "for (redis.replica_ack_policy=degrade).",
+        ).labels(*lv)
         self._prefix_saved = counter(
             "teacherq_prefix_tokens_saved",
             "Tokens not computed because jobs shared a prompt (each shared prompt runs once).",
@@ -262,6 +267,10 @@ class ConsumerMetrics:
     def duplicate_skipped(self) -> None:
         """An entry acknowledged without computing: its job already had a result."""
         self._duplicates.inc()
+
+    def unreplicated_write(self) -> None:
+        """A result stored without its replica acknowledgement (degraded)."""
+        self._unreplicated.inc()
 
     def prefix_tokens_saved(self, tokens: int) -> None:
         """Tokens a batch did not compute thanks to shared-prefix packing."""

@@ -100,10 +100,45 @@ def _nodes(client: redis.Redis) -> list[tuple[str, redis.Redis]]:
     return out
 
 
+def check_replicas(client: redis.Redis, settings: Settings) -> int | None:
+    """With `redis.min_replicas_acked = N`: one warning when the queue's shard has fewer
+    than N replicas now (no write can be acknowledged) or exactly N (none to spare: after
+    a failover of its primary, writes wait or degrade until a replica is added). Returns
+    the shard's replicas (None: not checked)."""
+    from shared.replication import shard_replicas
+
+    n = settings.redis.min_replicas_acked
+    if n <= 0:
+        return None
+    try:
+        have = shard_replicas(client, settings.queue.name)
+    except redis.RedisError as exc:
+        log.warning("preflight.replicas_unchecked", problem=f"INFO replication failed: {exc}")
+        return None
+    policy = settings.redis.replica_ack_policy
+    if have < n:
+        log.warning(
+            "preflight.replicas_short",
+            problem=f"queue {settings.queue.name}'s shard has {have} replicas in sync and "
+            f"TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n}: no result write can be acknowledged "
+            f"until more join (replica_ack_policy={policy})",
+        )
+    elif have == n:
+        log.warning(
+            "preflight.replicas_no_spare",
+            problem=f"queue {settings.queue.name}'s shard has {have} replicas and "
+            f"TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n}: none to spare, so after a failover "
+            f"result writes {'wait' if policy == 'wait' else 'go unacknowledged'} until a "
+            f"replica is added (run {n + 1} replicas per primary)",
+        )
+    return have
+
+
 def preflight(client: redis.Redis, settings: Settings) -> str:
     """A consumer's start-up checks, run before the model loads: Redis durability and
     commands, then the jobs stream's group (an existing group is fine, also while Redis is
-    full). Returns "" when the consumer may start, else the one-line reason it must not."""
+    full), the shard's replicas against `redis.min_replicas_acked` (a warning). Returns ""
+    when the consumer may start, else the one-line reason it must not."""
     from shared.streams import Streams
 
     try:
@@ -111,4 +146,5 @@ def preflight(client: redis.Redis, settings: Settings) -> str:
     except UnsafeRedis as exc:
         return str(exc)
     Streams(client, settings.queue.name, settings.queue.group).ensure_group()
+    check_replicas(client, settings)  # a warning at most: replicas come and go
     return ""

@@ -12,6 +12,10 @@ Memory pressure: while Redis is full (maxmemory, noeviction) writes are refused 
 After a stop request (`abandon_after`) a write still refused past the grace deadline is given
 up: its entry stays pending, unacknowledged, and is redelivered once Redis has room — a
 consumer told to stop exits within its grace period whatever Redis's state.
+
+Replicas (`redis.min_replicas_acked`): after each write, `ReplicaAcks` waits for the queue's
+shard's replicas, and when they cannot answer either holds the write (retried) or lets it stand
+marked, as `redis.replica_ack_policy` says (consumer/serve/replica_ack.py).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import redis
 import structlog
 
 from consumer.group.faults import FaultInjector
+from consumer.serve.replica_ack import UNREPLICATED_FIELD, ReplicaAcks
 from shared.deadletter import DeadLetter
 from shared.errors import NotReplicated
 from shared.messages import TeacherResult
-from shared.redis_client import await_replicas
 from shared.results import encode_record
 from shared.settings import RedisSettings
 from shared.storage import ObjectStore, TransientStorageError
@@ -77,7 +81,12 @@ class ResultWriter:
         self.faults = faults
         self.on_done = on_done
         self.max_queued = max_queued
-        self.redis_cfg = redis_cfg  # its min_replicas_acked: WAIT after each write
+        # With redis.min_replicas_acked: WAIT after each write, and the replica-ack policy.
+        self.acks = (
+            ReplicaAcks(streams.r, queue, redis_cfg)
+            if redis_cfg is not None and redis_cfg.min_replicas_acked > 0
+            else None
+        )
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tq-writer")
         self._futures: list[Future] = []
         self._lock = threading.Lock()
@@ -114,10 +123,7 @@ class ResultWriter:
 
     def submit(self, task: WriteTask) -> None:
         """Persist in the background; blocks while `max_queued` writes are unfinished."""
-        self._futures = [f for f in self._futures if not f.done()]
-        while len(self._futures) >= self.max_queued:
-            self._futures[0].result()
-            self._futures = [f for f in self._futures if not f.done()]
+        self.wait_for_room()
         self._mark(task, +1)
         self._futures.append(self._pool.submit(self._write_with_retry, task))
 
@@ -154,11 +160,24 @@ class ResultWriter:
         self.flush()
         self._pool.shutdown(wait=True)
 
+    def full(self) -> bool:
+        """Whether `submit` would block now (`max_queued` writes unfinished)."""
+        return sum(not f.done() for f in self._futures) >= self.max_queued
+
+    def wait_for_room(self) -> None:
+        """Block until fewer than `max_queued` writes are unfinished."""
+        self._futures = [f for f in self._futures if not f.done()]
+        while len(self._futures) >= self.max_queued:
+            self._futures[0].result()
+            self._futures = [f for f in self._futures if not f.done()]
+
     def _write_with_retry(self, task: WriteTask) -> bool:
         try:
             return self._retry(task)
         finally:
             self._mark(task, -1)
+            if self.acks is not None:  # done or given up: no longer held for replicas
+                self.acks.release(task.result.job_id, acknowledged=False)
 
     def _retry(self, task: WriteTask) -> bool:
         delay = 0.05
@@ -191,7 +210,10 @@ class ResultWriter:
                         error=str(exc),
                     )
                     return False
-                log.warning("store.retry", job_id=task.result.job_id, error=str(exc), delay_s=delay)
+                if not isinstance(exc, NotReplicated):  # ReplicaAcks logs the wait once
+                    log.warning(
+                        "store.retry", job_id=task.result.job_id, error=str(exc), delay_s=delay
+                    )
                 time.sleep(delay)
                 # A refusal for memory costs Redis one rejected call: retry at least every
                 # second, so the write (and the consumer's pause) ends soon after room appears.
@@ -200,6 +222,9 @@ class ResultWriter:
 
     def _write(self, task: WriteTask) -> bool:
         job_id = task.result.job_id
+        # Degraded (redis.replica_ack_policy=degrade, the shard short of replicas): written
+        # without WAIT, the record marked.
+        unacknowledged = self.acks is not None and self.acks.unacknowledged()
         with span("store", carrier=task.trace, job_id=job_id, batch_id=task.batch_id):
             record = encode_record(
                 task.result,
@@ -207,6 +232,8 @@ class ResultWriter:
                 store=self.store if task.status == "ok" else None,
                 inline_max_bytes=self.inline_max_bytes,
             )
+            if unacknowledged:
+                record[UNREPLICATED_FIELD] = "0"
         self.faults.reached("stored")
         with span("ack", carrier=task.trace, job_id=job_id, batch_id=task.batch_id) as s:
             wrote = self.streams.complete(
@@ -218,8 +245,10 @@ class ResultWriter:
                 tokens=task.tokens,
                 dead_letter=task.dead_letter,
             )
-            if self.redis_cfg is not None:  # retried (idempotently) until replicated
-                await_replicas(self.streams.r, self.queue, self.redis_cfg)
+            if unacknowledged:
+                self.acks.unreplicated(job_id)  # type: ignore[union-attr]
+            elif self.acks is not None:  # under `wait`, retried (idempotently) until replicated
+                s.set(replicated=self.acks.confirm(job_id))
             s.set(wrote=wrote)
         self.faults.reached("acked")
         return wrote

@@ -239,6 +239,8 @@ async def get_loads(gw: Gateway) -> dict[str, Any]:
         "consumers_ready": sum(c.get("state") in ("ready", "busy") for c in alive.values()),
         "jobs_per_s": tp["jobs_per_s"],
         "tokens_per_s": tp["tokens_per_s"],
+        # The shard's replicas, and result writes waiting for (or going without) their acks.
+        "replication": snap["replication"],
         # This gateway's submit calls and the jobs they carried (coalescing at work).
         "gateway_submits": gw.jobs.submits if gw.jobs else 0,
         "gateway_jobs": gw.jobs.submitted if gw.jobs else 0,

@@ -13,18 +13,22 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from redis.crc import key_slot
 
 from producer import TeacherClient
 from shared import keys
 from shared.queue_metrics import queue_figures
 from shared.redis_client import connect, connect_async
 from shared.settings import Settings
-from tests.helpers import assert_exactly_once, fast, job_set
+from tests.helpers import (
+    assert_exactly_once,
+    cluster_settings,
+    fast,
+    job_set,
+    queues_on_distinct_shards,
+)
 from tests.processes import ValkeyCluster, ValkeySentinel
 from tests.timing import scaled
 
@@ -39,30 +43,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]
         yield c
     finally:
         c.stop()
-
-
-def queues_on_distinct_shards(n: int, prefix: str) -> list[str]:
-    """n queue names whose hash tags fall in n different thirds of the slot space (one per
-    primary as ValkeyCluster assigns them)."""
-    names: dict[int, str] = {}
-    i = 0
-    while len(names) < n:
-        name = f"{prefix}{i}"
-        third = key_slot(keys.jobs_stream(name).encode()) * 3 // 16384
-        names.setdefault(third, name)
-        i += 1
-    return [names[t] for t in sorted(names)][:n]
-
-
-def cluster_settings(url: str, queue: str, tmp_path: Path, **redis_extra: object) -> Settings:
-    s = Settings(
-        redis={"url": url, "mode": "cluster", "min_replicas_acked": 1, **redis_extra},
-        queue={"name": queue},
-        storage={"url": f"file://{tmp_path / 'objects'}"},
-        consumer={"block_ms": 200},
-        log={"format": "json"},
-    )
-    return fast(s, visibility_timeout_s=5.0, job_timeout_s=30.0)
 
 
 def test_queue_keys_scripts_and_transactions_stay_on_one_shard(cluster, tmp_path) -> None:

@@ -486,6 +486,9 @@ def test_burst_of_4096_requests_across_dialects(served: Served) -> None:
             return await asyncio.gather(*(one(i) for i in range(4096)))
 
     before = served.http.call("GET", "/get_loads")[1]
+    # The embedded server has no replica, and nothing asks for one: no write waits.
+    assert before["replication"]["replicas"] == 0 and before["replication"]["waiting_s"] == 0
+    assert before["replication"]["min_replicas_acked"] == 0
     answers = asyncio.run(burst())
     assert [s for s, _ in answers].count(200) == 4096, [a for a in answers if a[0] != 200][:3]
     after = served.http.call("GET", "/get_loads")[1]
