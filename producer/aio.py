@@ -32,6 +32,7 @@ from shared.redis_client import (
     await_replicas,
     connect,
     connect_async,
+    execute_scripted_async,
     read_memory_async,
     run_script_async,
 )
@@ -124,22 +125,22 @@ class AsyncTeacherClient:
         """One transaction per unit, one `submit` span per job (as `TeacherClient._enqueue`)."""
         await self._wait_for_room(sum(p.request.num_tokens for p in jobs))
         spans = [protocol.submit_span(p) for p in jobs]
+
+        async def fill(pipe: Any) -> None:
+            for p, s in zip(jobs, spans, strict=True):
+                req = p.request
+                fields = encode_job(req.model_copy(update={"trace": s.carrier}), job_id=p.job_id)
+                keys_, argv = submit_call(
+                    self.queue,
+                    p.job_id,
+                    fields,
+                    tokens=req.num_tokens,
+                    min_generation=p.min_generation,
+                )
+                await run_script_async(self._submit, keys=keys_, args=argv, client=pipe)
+
         try:
-            async with self.r.pipeline(transaction=True) as pipe:
-                for p, s in zip(jobs, spans, strict=True):
-                    req = p.request
-                    fields = encode_job(
-                        req.model_copy(update={"trace": s.carrier}), job_id=p.job_id
-                    )
-                    keys_, argv = submit_call(
-                        self.queue,
-                        p.job_id,
-                        fields,
-                        tokens=req.num_tokens,
-                        min_generation=p.min_generation,
-                    )
-                    await run_script_async(self._submit, keys=keys_, args=argv, client=pipe)
-                entries = await pipe.execute()
+            entries = await execute_scripted_async(self.r, fill)
             if self.settings.redis.min_replicas_acked:  # WAIT, on a blocking connection
                 await asyncio.to_thread(
                     await_replicas, self._blocking(), self.queue, self.settings.redis
@@ -353,10 +354,12 @@ class AsyncTeacherClient:
             ttl_s=self.settings.queue.result_ttl_s,
         )
         # One transaction: no consumer write can land between the delete and the rewrite.
-        async with self.r.pipeline(transaction=True) as pipe:
+
+        async def fill(pipe: Any) -> None:
             pipe.delete(keys.result_key(self.queue, job_id))
             await run_script_async(self._complete, keys=keys_, args=argv, client=pipe)
-            await pipe.execute()
+
+        await execute_scripted_async(self.r, fill)
 
     async def aclose(self) -> None:
         """Stop the completion reader and close the Redis connection pool."""

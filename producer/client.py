@@ -18,7 +18,7 @@ from shared.errors import JobFailed, QueueFull, UnknownJob
 from shared.log import get_logger
 from shared.memory import MemoryInfo, read_memory
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
-from shared.redis_client import await_replicas, connect
+from shared.redis_client import await_replicas, connect, execute_scripted
 from shared.results import decode_record
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
@@ -102,19 +102,21 @@ class TeacherClient:
         prompt, even when an idle consumer is blocked on the stream. One `submit` span each."""
         self._wait_for_room(sum(p.request.num_tokens for p in jobs))
         spans = [protocol.submit_span(p) for p in jobs]
-        pipe = self.r.pipeline(transaction=True)
-        for p, s in zip(jobs, spans, strict=True):
-            req = p.request
-            fields = encode_job(req.model_copy(update={"trace": s.carrier}), job_id=p.job_id)
-            self.streams.submit(
-                p.job_id,
-                fields,
-                tokens=req.num_tokens,
-                min_generation=p.min_generation,
-                client=pipe,
-            )
+
+        def fill(pipe: Any) -> None:
+            for p, s in zip(jobs, spans, strict=True):
+                req = p.request
+                fields = encode_job(req.model_copy(update={"trace": s.carrier}), job_id=p.job_id)
+                self.streams.submit(
+                    p.job_id,
+                    fields,
+                    tokens=req.num_tokens,
+                    min_generation=p.min_generation,
+                    client=pipe,
+                )
+
         try:
-            entries = pipe.execute()
+            entries = execute_scripted(self.r, fill)
             await_replicas(self.r, self.queue, self.settings.redis)  # redis.min_replicas_acked
         except BaseException as exc:
             for s in spans:
@@ -289,18 +291,20 @@ class TeacherClient:
         (and changes nothing) for an id never submitted to this queue."""
         self.check_known([job_id])
         record = protocol.cancel_record(self.queue, job_id)
+
         # One transaction: no consumer write can land between the delete and the rewrite.
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(keys.result_key(self.queue, job_id))
-        self.streams.complete(
-            job_id=job_id,
-            entry_id="",
-            status="failed",
-            record=record,
-            ttl_s=self.settings.queue.result_ttl_s,
-            client=pipe,
-        )
-        pipe.execute()
+        def fill(pipe: Any) -> None:
+            pipe.delete(keys.result_key(self.queue, job_id))
+            self.streams.complete(
+                job_id=job_id,
+                entry_id="",
+                status="failed",
+                record=record,
+                ttl_s=self.settings.queue.result_ttl_s,
+                client=pipe,
+            )
+
+        execute_scripted(self.r, fill)
 
     def update_weights(
         self, path: str, *, wait: bool = True, timeout: float = 1800.0, check: bool = True

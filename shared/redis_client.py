@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -190,6 +190,38 @@ async def run_script_async(
     if isinstance(client, AsyncClusterPipeline):
         return client.execute_command("EVAL", script.script, len(keys), *keys, *args)
     return await script(keys=keys, args=args, client=client)
+
+
+def execute_scripted(client: redis.Redis, fill: Callable[[Any], None]) -> list[Any]:
+    """Run a transaction of scripts that `fill` queues on a fresh pipeline; once more if Redis
+    answered NOSCRIPT. redis-py checks and loads a pipeline's scripts just before sending it,
+    so NOSCRIPT means the server lost its script cache in between (restarted, e.g. from its
+    AOF): filling a new pipeline loads them again. Every scripted write teacherq makes is
+    idempotent, so a transaction that ran in part is safe to run whole."""
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=True)
+        fill(pipe)
+        try:
+            return cast(list[Any], pipe.execute())
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def execute_scripted_async(
+    client: AsyncRedis, fill: Callable[[Any], Awaitable[None]]
+) -> list[Any]:
+    """`execute_scripted` for redis.asyncio."""
+    for attempt in range(2):
+        async with client.pipeline(transaction=True) as pipe:
+            await fill(pipe)
+            try:
+                return cast(list[Any], await pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+    raise AssertionError("unreachable")
 
 
 async def read_memory_async(client: AsyncRedis, key: str) -> MemoryInfo:

@@ -250,6 +250,57 @@ def own_redis(tmp_path: Path):
     server.stop()
 
 
+def test_a_transaction_meeting_an_empty_script_cache_runs_again(r: redis.Redis) -> None:
+    """`execute_scripted`: a transaction answered NOSCRIPT (the server restarted between the
+    pipeline's script check and its EXEC, as test_redis_killed_and_restarted provokes) is
+    filled and sent once more; a second NOSCRIPT is raised."""
+    import asyncio
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from shared.redis_client import execute_scripted, execute_scripted_async
+
+    key = f"noscript-{uuid.uuid4().hex}"
+    script = r.register_script("return redis.call('INCR', KEYS[1])")
+    missing = "0" * 40  # the sha of no loaded script: what a flushed cache answers
+    calls: list[int] = []
+
+    def fill(pipe) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            pipe.execute_command("EVALSHA", missing, 1, key)
+        else:
+            script(keys=[key], client=pipe)
+
+    assert execute_scripted(r, fill) == [1] and len(calls) == 2
+
+    def always_missing(pipe) -> None:
+        pipe.execute_command("EVALSHA", missing, 1, key)
+
+    with pytest.raises(redis.exceptions.NoScriptError):
+        execute_scripted(r, always_missing)
+
+    aio_calls: list[int] = []
+    url = "redis://{host}:{port}/0".format(**r.connection_pool.connection_kwargs)
+
+    async def fill_async(pipe) -> None:
+        aio_calls.append(1)
+        if len(aio_calls) == 1:
+            pipe.execute_command("EVALSHA", missing, 1, key)
+        else:
+            pipe.incr(key)
+
+    async def go() -> list:
+        client = AsyncRedis.from_url(url)
+        try:
+            return await execute_scripted_async(client, fill_async)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(go()) == [2] and len(aio_calls) == 2
+    assert int(r.get(key)) == 2
+
+
 def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None:
     url = own_redis.url
     s = fast(settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})}))
