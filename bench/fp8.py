@@ -16,7 +16,8 @@ group at run time. Paths, side by side on the same weights and tokens:
 
 `gemm_only`: each shape's GEMM alone, bf16 against FP8 on activations quantized beforehand
 (the FP8 path's ceiling). Prints tokens/s per path, each FP8 path's relative error against
-bf16 at the stack's output, and GB of weights per layer. One fixed token count per run (say so next to the figure).
+bf16 at the stack's output, and GB of weights per layer. One fixed token count per run (say
+so next to the figure).
 
     python bench/fp8.py                        # H100/H200: 8 layers, 8192 tokens
     python bench/fp8.py --tokens 512 --layers 2 --device cpu   # smoke run
