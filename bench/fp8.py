@@ -8,12 +8,16 @@ path) is left out, so the figure is the linears' share. Weights are random, bloc
 group at run time. Paths, side by side on the same weights and tokens:
 
     bf16           F.linear on the unquantized weights
-    fp8            consumer.forward.fp8_gemm.fp8_block_linear (`auto`: cuBLAS where it runs)
+    fp8            consumer.forward.fp8_gemm.fp8_block_linear (`auto`: cuBLAS where it runs,
+                   the activations quantized by one Triton kernel)
+    fp8_unfused_quantize  the same with the activations quantized by PyTorch ops
     fp8_emulated   the same FP8 product expanded to float32 (what the CPU does)
     transformers   transformers' FP8Linear kernel (finegrained_fp8.fp8_linear), if it loads
 
-Prints tokens/s per path, each FP8 path's relative error against bf16 at the stack's output,
-and GB of weights per layer. One fixed token count per run (say so next to the figure).
+`gemm_only`: each shape's GEMM alone, bf16 against FP8 on activations quantized beforehand
+(the FP8 path's ceiling). Prints tokens/s per path, each FP8 path's relative error against
+bf16 at the stack's output, and GB of weights per layer. One fixed token count per run (say
+so next to the figure).
 
     python bench/fp8.py                        # H100/H200: 8 layers, 8192 tokens
     python bench/fp8.py --tokens 512 --layers 2 --device cpu   # smoke run
@@ -74,6 +78,31 @@ def _time(fn: Callable[[], torch.Tensor], iters: int, device: torch.device) -> f
     return (time.perf_counter() - start) / iters
 
 
+def _gemm_only(x, bf16, fp8, iters: int, device: torch.device) -> dict[str, object]:
+    """The GEMMs alone, per shape of the first layer: bf16 F.linear against cuBLAS's
+    block-scaled FP8 GEMM on activations quantized beforehand (the ceiling of the FP8 path)."""
+    out: dict[str, object] = {}
+    t = x.shape[0]
+    for name, (n, k) in SHAPES.items():
+        a = torch.randn(t, k, device=device).to(torch.bfloat16)
+        q, s = fp8_gemm.quantize_activations(a)
+        w_q, w_s = fp8[0][name]
+        b16 = _time(lambda a=a, name=name: F.linear(a, bf16[0][name]), iters * 4, device)
+        f8 = _time(
+            lambda q=q, s=s, w_q=w_q, w_s=w_s: fp8_gemm.scaled_mm_block_linear(
+                q, s, w_q, w_s, torch.bfloat16
+            ),
+            iters * 4,
+            device,
+        )
+        out[name] = {
+            "bf16_tflops": round(2 * t * n * k / b16 / 1e12, 1),
+            "fp8_tflops": round(2 * t * n * k / f8 / 1e12, 1),
+            "speedup": round(b16 / f8, 3),
+        }
+    return out
+
+
 def _transformers_linear() -> tuple[Callable | None, str | None]:
     try:
         from transformers.integrations.finegrained_fp8 import fp8_linear
@@ -96,12 +125,15 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(args.tokens, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
 
-    def path(fp8_path: str) -> Linear:
-        return lambda h, n, i: fp8_gemm.fp8_block_linear(h, *fp8[i][n], path=fp8_path)
+    def path(fp8_path: str, fused: bool = True) -> Linear:
+        return lambda h, n, i: fp8_gemm.fp8_block_linear(
+            h, *fp8[i][n], path=fp8_path, fused_quantize=fused
+        )
 
     linears: dict[str, Linear] = {
         "bf16": lambda h, n, i: F.linear(h, bf16[i][n]),
         "fp8": path("auto"),
+        "fp8_unfused_quantize": path("auto", fused=False),
         "fp8_emulated": path("emulated"),
     }
     tf_linear, tf_why = _transformers_linear()
@@ -131,8 +163,10 @@ def main() -> None:
                 "ms": round(seconds * 1e3, 2),
                 "rel_err_vs_bf16": round(((got - want).norm() / want.norm()).item(), 4),
             }
+        if device.type == "cuda" and not fp8_gemm.scaled_mm_unsupported(device, HIDDEN):
+            report["gemm_only"] = _gemm_only(x, bf16, fp8, args.iters, device)
     base = report["bf16"]
-    for name in ("fp8", "transformers"):
+    for name in ("fp8", "fp8_unfused_quantize", "transformers"):
         entry = report.get(name)
         if isinstance(entry, dict) and isinstance(base, dict):
             entry["speedup_vs_bf16"] = round(entry["tokens_per_s"] / base["tokens_per_s"], 3)

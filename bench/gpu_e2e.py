@@ -178,6 +178,45 @@ MODELS = {
 }
 
 
+
+
+def _frontier(name: str, *, tiny: bool = False) -> dict:
+    """A DeepSeek-V3 or GLM-4.5-Air shape from bench/gpu_moe.py (cut to its default depth
+    there: 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a few MB of the same build)."""
+    from bench import gpu_moe
+
+    cfg = gpu_moe.shape(argparse.Namespace(shape=name, tiny=tiny, layers=None))
+    cfg["architectures"] = [
+        {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
+            cfg["model_type"]
+        ]
+    ]
+    cfg["tie_word_embeddings"] = False
+    if tiny:  # the workloads' documents reach 4096 tokens
+        cfg["max_position_embeddings"] = 8192
+    return cfg
+
+
+FRONTIER = {  # added to MODELS by main() (bench/gpu_moe.py imports this module)
+    "deepseek-v3": {"name": "deepseek-v3"},
+    "glm-4.5-air": {"name": "glm-4.5-air"},
+    "tiny-deepseek": {"name": "deepseek-v3", "tiny": True},
+}
+
+
+def model_spec(cfg: dict):
+    """teacherq's ModelSpec of a shape (through transformers' config where the shape carries
+    `rope_parameters`, as the frontier families' config.json files do)."""
+    from consumer.checkpoints import spec_from_hf_config
+
+    if "rope_parameters" in cfg:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in cfg.items() if k != "model_type"}
+        return spec_from_hf_config(AutoConfig.for_model(cfg["model_type"], **fields).to_dict())
+    return spec_from_hf_config(cfg)
+
+
 # --------------------------------------------------------------------------------------------
 # Workloads and arithmetic
 # --------------------------------------------------------------------------------------------
@@ -229,6 +268,11 @@ def docs_of(calls: list[list]) -> list:
 
 def forward_flops(cfg: dict, lengths: list[int], *, with_head: bool) -> float:
     """FLOPs of prefill forwards over documents of these lengths (see the module doc)."""
+    if "n_routed_experts" in cfg:  # DeepSeek-V3 / GLM-4.5: MLA, shared experts, dense layers
+        from bench import gpu_moe
+
+        head = 2.0 * cfg["vocab_size"] * cfg["hidden_size"] * sum(lengths)
+        return gpu_moe.active_flops(model_spec(cfg), lengths) - (0.0 if with_head else head)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
@@ -645,7 +689,6 @@ def consumer_child(args: argparse.Namespace) -> int:
     import torch
 
     import consumer.serve.service as service
-    from consumer.checkpoints import spec_from_hf_config
     from consumer.forward.model import build_model
     from consumer.forward.scoring import Scorer
     from shared.log import configure_logging
@@ -654,7 +697,7 @@ def consumer_child(args: argparse.Namespace) -> int:
     settings = load_settings()
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=0)
     cfg = MODELS[args.model]
-    spec = spec_from_hf_config(cfg)
+    spec = model_spec(cfg)
     report: dict = {}
 
     def build_scorer(settings, layout, path=None):
@@ -1209,6 +1252,7 @@ def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
 
 
 def main() -> None:
+    MODELS.update({m: _frontier(**how) for m, how in FRONTIER.items()})
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="1.5b,7b", help=f"of {','.join(MODELS)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {WORKLOADS}")

@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from consumer import kernels
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 128  # activation channels per scale, and the weight block cuBLAS accepts
 _TINY = 1e-12  # keeps an all-zero group's scale positive
@@ -145,17 +147,28 @@ def fp8_block_linear(
     out_dtype: torch.dtype | None = None,
     path: str = "auto",
     block: tuple[int, int] = (GROUP, GROUP),
+    fused_quantize: bool = True,
 ) -> torch.Tensor:
     """y = x @ W^T for a block-quantized FP8 weight (`block`: its scale blocks; cuBLAS takes
     128 x 128 only), x quantized per token and 128-channel group. `path`: `auto` (cuBLAS
     where `scaled_mm_unsupported` finds nothing against it, else emulated), `scaled_mm` or
-    `emulated`. x: [..., K] -> [..., N]."""
+    `emulated`. On CUDA the cuBLAS path quantizes x in one Triton kernel
+    (`consumer.kernels.fp8_quant`; `fused_quantize=False`: PyTorch ops, for comparison).
+    x: [..., K] -> [..., N]."""
     lead, k = x.shape[:-1], x.shape[-1]
-    q_TK, scale_TG = quantize_activations(x.reshape(-1, k))
+    x_TK = x.reshape(-1, k)
     out_dtype = out_dtype or x.dtype
     if path == "auto":
         cublas = block == (GROUP, GROUP) and not scaled_mm_unsupported(x.device, k)
         path = "scaled_mm" if cublas else "emulated"
+    fused = kernels.load(x.device) if path == "scaled_mm" and fused_quantize else None
+    if fused is not None:  # one Triton pass quantizes, pads and lays out for cuBLAS
+        q_TK, a_scale = fused.fp8_quantize(x_TK)
+        y = torch._scaled_mm(
+            q_TK, w_NK.t(), scale_a=a_scale, scale_b=scale_inv.t(), out_dtype=out_dtype
+        )[: x_TK.shape[0]]
+        return y.view(*lead, w_NK.shape[0])
+    q_TK, scale_TG = quantize_activations(x_TK)
     if path == "scaled_mm":
         y = scaled_mm_block_linear(q_TK, scale_TG, w_NK, scale_inv, out_dtype)
     elif path == "emulated":

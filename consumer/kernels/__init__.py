@@ -12,7 +12,10 @@ these kernels compute the same on CUDA, faster:
   SplitMix64 hash, same fp32 exp and fp64 noise, same tie rules; helpers in `gumbel`);
 - `swiglu.swiglu` and `rope.rope`: the MLP's SwiGLU and the rotary embedding of q and k in
   one pass each (`consumer.forward.model.TeacherMLP`, `consumer.forward.attention.apply_rope`;
-  PyTorch elsewhere).
+  PyTorch elsewhere);
+- `fp8_quant.quantize_activations_padded`: an FP8 linear's input quantized per token and
+  128-channel group, padded and laid out as cuBLAS's block-scaled GEMM reads it
+  (`consumer.forward.fp8_gemm`).
 
 Imports run one way: the kernels import the shared leaf `consumer.head_common`, never
 `consumer.tp_ops`; the callers (`tp_ops.drivers`, `model`, `attention`) ask `load(device)`
@@ -41,6 +44,7 @@ class Kernels:
     gumbel_argmax: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     swiglu: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    fp8_quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def load(device: torch.device) -> Kernels | None:
@@ -56,7 +60,7 @@ def triton_kernels() -> Kernels | None:
     """The kernels whatever the device (Triton's CPU interpreter, TRITON_INTERPRET=1, runs
     them on CPU tensors), or None when Triton does not import. Loaded once."""
     try:
-        from consumer.kernels import rope, rowstats, swiglu
+        from consumer.kernels import fp8_quant, rope, rowstats, swiglu
     except ImportError:  # no Triton here: the reference path serves CUDA as well
         return None
     return Kernels(
@@ -64,4 +68,5 @@ def triton_kernels() -> Kernels | None:
         gumbel_argmax=rowstats.gumbel_argmax,
         swiglu=swiglu.swiglu,
         rope=rope.rope,
+        fp8_quantize=fp8_quant.quantize_activations_padded,
     )

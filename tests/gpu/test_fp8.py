@@ -55,6 +55,29 @@ def test_scaled_mm_matches_emulated(t, k, n, cublas):
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("t", [1, 37, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_quantize_equals_the_pytorch_ops(t, dtype):
+    """The Triton kernel's FP8 values and scales are `quantize_activations`' bit for bit
+    (rows strided in a wider tensor here), its padding rows zero, its scales laid out
+    outer-dim-major for cuBLAS."""
+    from consumer.kernels import load
+
+    fused = load(CUDA)
+    assert fused is not None, "Triton kernels did not load"
+    gen = torch.Generator(device=CUDA).manual_seed(t)
+    wide = (torch.randn(t, 1024 + 256, generator=gen, device=CUDA) * 5).to(dtype)
+    wide[0, :128] = 0  # an all-zero group
+    x = wide[:, :1024]
+    q, s = fused.fp8_quantize(x)
+    q0, s0 = fp8_gemm.quantize_activations(x)
+    pad = -t % 16
+    assert q.shape == (t + pad, 1024) and s.shape == (t + pad, 8) and s.stride() == (1, t + pad)
+    assert torch.equal(q[:t].view(torch.uint8), q0.view(torch.uint8))
+    assert torch.equal(s[:t], s0)
+    assert not q[t:].view(torch.uint8).any()
+
+
 @pytest.mark.parametrize(("t", "k", "n"), SHAPES)
 def test_fp8_close_to_bf16(t, k, n):
     """Whichever path `auto` takes, FP8 stays within 6 % (relative Frobenius) of the bf16
