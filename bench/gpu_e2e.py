@@ -143,6 +143,25 @@ MODELS = {
         "vocab_size": 151936,
         "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-8B's public config.json (q/k RMSNorm, no biases): ~16 GB of bf16 weights.
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 40960,
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
     # A few-MB mixture of experts of the same structure, for smoke tests of the MoE path.
     "tiny-moe": {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -176,8 +195,6 @@ MODELS = {
         "tie_word_embeddings": False,
     },
 }
-
-
 
 
 def _frontier(name: str, *, tiny: bool = False) -> dict:
@@ -434,6 +451,28 @@ DEVICE_SPANS: list = []  # CUDA: (start event, end event, *the rest as SPANS) pe
 # (name, start, end) on the host clock of what the consumer's main thread did while serving,
 # for what it was doing before a batch it launched late (`_host_steps`).
 HOST_STEPS: list[tuple[str, float, float]] = []
+
+
+def _quantize_linears(model) -> int:
+    """Every tensor-parallel linear whose shape takes 128 x 128 blocks, block-quantized to
+    FP8 as published FP8 checkpoints are, and run through the FP8 GEMM (`--fp8`); returns
+    how many."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from consumer.checkpoints.hf_fp8_linears import make_fp8_linear
+    from consumer.forward import fp8_gemm
+
+    n = 0
+    for module in model.modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        rows, cols = module.weight.shape
+        if rows % fp8_gemm.GROUP or cols % fp8_gemm.GROUP:
+            continue
+        weight, scale = fp8_gemm.quantize_weight(module.weight.data)
+        make_fp8_linear(module, weight, scale, (fp8_gemm.GROUP, fp8_gemm.GROUP))
+        n += 1
+    return n
 
 
 def _randomize(model, seed: int) -> None:
@@ -708,6 +747,8 @@ def consumer_child(args: argparse.Namespace) -> int:
             spec, layout, params_dtype=torch.bfloat16, device=device, init_weights=False
         )
         _randomize(model, seed=1234)
+        if args.fp8:
+            report["fp8_linears"] = _quantize_linears(model)
         report["build_s"] = round(time.perf_counter() - t0, 2)
         cuda = device.type == "cuda"
         report["weights_gib"] = _gib(torch.cuda.memory_allocated() if cuda else None)
@@ -998,6 +1039,8 @@ def run_e2e(
     from shared.redis_server import ensure_embedded, stop_embedded
     from shared.settings import Settings, to_env
 
+    overrides = None if overrides is None else dict(overrides)
+    fp8 = bool(overrides and overrides.pop("fp8", 0))  # the model's linears in FP8
     home = tmp / "valkey"
     url, _ = ensure_embedded(home)
     try:
@@ -1023,6 +1066,7 @@ def run_e2e(
         env = {**os.environ, **to_env(settings), "PYTHONPATH": path}
         cmd = _child_args(args, "consumer", model) + ["--out", str(out_json)]
         cmd += [] if overrides is None else ["--no-direct"]
+        cmd += ["--fp8"] if fp8 else []
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
         client = TeacherClient(settings)
@@ -1292,12 +1336,14 @@ def main() -> None:
         "--e2e-variants",
         default="",
         help="more (c) consumers serving the same windows, side by side: ';'-separated "
-        "consumer settings, e.g. 'cuda_graphs=0;batches_in_flight=1'",
+        "consumer settings, e.g. 'cuda_graphs=0;batches_in_flight=1'; 'fp8=1' serves the "
+        "model with its linears block-quantized to FP8",
     )
     parser.add_argument(
         "--no-fused", action="store_true", help="the PyTorch reference head, no Triton kernels"
     )
     parser.add_argument("--no-direct", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fp8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=("hf", "consumer"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

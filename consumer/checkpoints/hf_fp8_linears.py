@@ -96,10 +96,23 @@ def attach_fp8_linears(
         n, k = module.weight.shape
         if tuple(weight.shape) != (n, k) or tuple(scale.shape) != hf_fp8.scale_shape((n, k), fmt):
             continue  # the readers padded or reshaped it (not a plain linear shard)
-        device = module.weight.device
-        module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
-        module.register_buffer("weight_scale_inv", scale.to(device, torch.float32))
-        module.fp8_block = (fmt.block_rows, fmt.block_cols)
-        module._forward_impl = functools.partial(_fp8_forward_impl, module, path)
+        make_fp8_linear(module, weight, scale, (fmt.block_rows, fmt.block_cols), path=path)
         converted.append(name)
     return converted
+
+
+def make_fp8_linear(
+    module: ColumnParallelLinear | RowParallelLinear,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    *,
+    path: str = "auto",
+) -> None:
+    """Hold `weight` (float8_e4m3fn, this rank's [N, K] shard) and its block scales in the
+    module, and multiply through the FP8 GEMM from now on."""
+    device = module.weight.device
+    module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
+    module.register_buffer("weight_scale_inv", scale_inv.to(device, torch.float32))
+    module.fp8_block = block
+    module._forward_impl = functools.partial(_fp8_forward_impl, module, path)
