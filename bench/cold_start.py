@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-# Qwen2.5-1.5B's shape (public config.json), and a tiny one for a smoke test.
+# Qwen2.5-1.5B's and 7B's shapes (public config.json), and a tiny one for a smoke test.
 MODELS = {
     "1.5b": {
         "vocab_size": 151936,
@@ -45,6 +45,18 @@ MODELS = {
         "num_kv_heads": 2,
         "intermediate_size": 8960,
         "tie_embeddings": True,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 32768,
+    },
+    # Qwen2.5-7B's shape (public config.json): ~15 GB of bf16 weights.
+    "7b": {
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "num_layers": 28,
+        "num_attention_heads": 28,
+        "num_kv_heads": 4,
+        "intermediate_size": 18944,
+        "tie_embeddings": False,
         "rope_theta": 1e6,
         "max_position_embeddings": 32768,
     },

@@ -463,8 +463,10 @@ def _quantize_linears(model) -> int:
     from consumer.forward import fp8_gemm
 
     n = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if name.endswith("output_layer"):  # published FP8 checkpoints keep lm_head in bf16
             continue
         rows, cols = module.weight.shape
         if rows % fp8_gemm.GROUP or cols % fp8_gemm.GROUP:
