@@ -197,12 +197,13 @@ MODELS = {
 }
 
 
-def _frontier(name: str, *, tiny: bool = False) -> dict:
-    """A DeepSeek-V3 or GLM-4.5-Air shape from bench/gpu_moe.py (cut to its default depth
-    there: 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a few MB of the same build)."""
+def _frontier(name: str, *, tiny: bool = False, layers: int | None = None) -> dict:
+    """A DeepSeek-V3 or GLM-4.5-Air shape from bench/gpu_moe.py, cut to `layers` (default:
+    its depth there, 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a few MB of the same
+    build)."""
     from bench import gpu_moe
 
-    cfg = gpu_moe.shape(argparse.Namespace(shape=name, tiny=tiny, layers=None))
+    cfg = gpu_moe.shape(argparse.Namespace(shape=name, tiny=tiny, layers=layers))
     cfg["architectures"] = [
         {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
             cfg["model_type"]
@@ -217,6 +218,8 @@ def _frontier(name: str, *, tiny: bool = False) -> dict:
 FRONTIER = {  # added to MODELS by main() (bench/gpu_moe.py imports this module)
     "deepseek-v3": {"name": "deepseek-v3"},
     "glm-4.5-air": {"name": "glm-4.5-air"},
+    # 3 dense + 4 sparse layers (~95 GB bf16): the sparse layers' share closer to the model's
+    "deepseek-v3-7l": {"name": "deepseek-v3", "layers": 7},
     "tiny-deepseek": {"name": "deepseek-v3", "tiny": True},
 }
 
