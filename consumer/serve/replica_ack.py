@@ -163,12 +163,9 @@ class ReplicaAcks:
             if started:
                 self.waiting_since = time.time() - self.cfg.replica_ack_timeout_s
         if started:
-            log.warning(
+            self._warn(
                 "store.replica_wait",
-                queue=self.queue,
-                replicas=self._replicas_now(),
-                min_replicas_acked=self.cfg.min_replicas_acked,
-                problem=f"{exc}; results are held until a replica is back "
+                f"{exc}; results are held until a replica is back "
                 "(TEACHERQ_REDIS__REPLICA_ACK_POLICY=degrade writes them unacknowledged)",
             )
         else:
@@ -181,14 +178,21 @@ class ReplicaAcks:
                 self.degraded_since = time.time() - self.cfg.replica_ack_timeout_s
                 self._looked = (time.monotonic(), 0)
         if started:
-            log.warning(
+            self._warn(
                 "store.replica_ack_degraded",
-                queue=self.queue,
-                replicas=self._replicas_now(),
-                min_replicas_acked=self.cfg.min_replicas_acked,
-                problem=f"{exc}; TEACHERQ_REDIS__REPLICA_ACK_POLICY=degrade: results are "
-                "written without it, marked replicated=false, until the shard has the replicas",
+                f"{exc}; TEACHERQ_REDIS__REPLICA_ACK_POLICY=degrade: results are written "
+                "without it, marked replicated=false, until the shard has the replicas",
             )
+
+    def _warn(self, event: str, problem: str) -> None:
+        """The one line a wait or a degraded spell starts with."""
+        log.warning(
+            event,
+            queue=self.queue,
+            replicas=self._replicas_now(),
+            min_replicas_acked=self.cfg.min_replicas_acked,
+            problem=problem,
+        )
 
     def describe(self) -> dict[str, Any]:
         """The heartbeat record's `replica_ack` (shared/replication.py sums them)."""
