@@ -195,12 +195,12 @@ def test_logprobs_match_transformers_on_dequantized(name, pairs, layout):
     _check_against_transformers(ref_path, _score(fp8_path, layout))
 
 
-def _tp2_worker(rank: int, world: int, paths: dict[str, str]):
+def _split_worker(rank: int, world: int, paths: dict[str, str], tp: int = 2, ep: int = 1):
     from consumer import cpu_compat
     from consumer.parallel import init_parallel
 
     cpu_compat.apply()
-    layout = init_parallel(tp=2, pp=1)
+    layout = init_parallel(tp=tp, pp=1, ep=ep)
     out = {name: _score(path, layout) for name, path in paths.items()}
     return out if layout.is_leader else None
 
@@ -209,8 +209,21 @@ def test_tp2_matches_transformers(pairs):
     """At TP=2 (gloo) each rank reads and dequantizes its own slice of weights and scales; the
     scores still equal transformers' on the dequantized checkpoint."""
     paths = {name: pairs[name][0] for name in CASES}
-    scored = run_gloo(2, _tp2_worker, paths, timeout=scaled(300))[0]
+    scored = run_gloo(2, _split_worker, paths, timeout=scaled(300))[0]
     for name in CASES:
+        _check_against_transformers(pairs[name][1], scored[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 2)], ids=["ep2", "tp2xep2"])
+def test_moe_fp8_at_expert_parallel_layouts_matches_transformers(pairs, tp, ep):
+    """The mixture-of-experts FP8 checkpoints (Qwen3-MoE, DeepSeek-V3) at EP=2 and TP=2 x EP=2
+    on gloo: each rank reads its experts' FP8 blocks and scales; the scores equal
+    transformers' on the dequantized checkpoint."""
+    moe = [name for name in CASES if CASES[name][0] != "qwen3"]
+    paths = {name: pairs[name][0] for name in moe}
+    scored = run_gloo(max(tp, ep), _split_worker, paths, tp, ep, timeout=scaled(300))[0]
+    for name in moe:
         _check_against_transformers(pairs[name][1], scored[name])
 
 
