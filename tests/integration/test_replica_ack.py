@@ -204,6 +204,7 @@ def test_wait_shows_the_waiting_writes_and_completes_once_a_replica_is_back(
     assert "store.retry" not in events and "consumer.hung" not in events
 
 
+@pytest.mark.slow
 def test_degrade_completes_every_job_marked_and_resumes_acknowledged_writes(
     cluster, start_consumer, tmp_path
 ) -> None:
