@@ -1,10 +1,12 @@
 """Teacher throughput end to end on one GPU, on the workloads users have: Hugging Face vs the
 bare forward vs teacherq.
 
-Random-init models of the Qwen2.5-1.5B and Qwen2.5-7B shapes (and of Qwen3-30B-A3B, a mixture of
-experts: `--models 30b-a3b`) in bf16. Each workload is a stream
-of documents whose lengths are drawn anew for every pass, so no batch layout repeats (as in RL
-rollouts and distillation sets):
+Random-init models of the Qwen2.5-1.5B and Qwen2.5-7B shapes (and of Qwen3-8B, of Qwen3-30B-A3B,
+a mixture of experts: `--models 30b-a3b`, and cuts of DeepSeek-V3 and GLM-4.5-Air from
+bench/gpu_moe.py: `deepseek-v3`, `deepseek-v3-7l`, `glm-4.5-air`) in bf16; `--e2e-variants
+fp8=1` serves the same windows again with the linears block-quantized to FP8. Each workload is a
+stream of documents whose lengths are drawn anew for every pass, so no batch layout repeats (as
+in RL rollouts and distillation sets):
 
   fixed     every document 2048 tokens (the one shape earlier runs measured);
   uniform   lengths uniform in 512-4096;

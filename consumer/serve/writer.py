@@ -246,7 +246,8 @@ class ResultWriter:
                 dead_letter=task.dead_letter,
             )
             if unacknowledged:
-                self.acks.unreplicated(job_id)  # type: ignore[union-attr]
+                if wrote:  # a record already there (a duplicate) was counted by its writer
+                    self.acks.unreplicated(job_id)  # type: ignore[union-attr]
             elif self.acks is not None:  # under `wait`, retried (idempotently) until replicated
                 s.set(replicated=self.acks.confirm(job_id))
             s.set(wrote=wrote)
