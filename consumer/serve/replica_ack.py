@@ -85,10 +85,7 @@ class ReplicaAcks:
             return False
         t, replicas = self._looked
         if time.monotonic() - t >= RECHECK_S:
-            try:
-                replicas = shard_replicas(self.r, self.queue)
-            except redis.RedisError:
-                replicas = 0  # unknown: stay degraded and look again later
+            replicas = self._replicas_now() or 0  # unknown: stay degraded, look again later
             self._looked = (time.monotonic(), replicas)
         if replicas < self.cfg.min_replicas_acked:
             return True
