@@ -5,6 +5,7 @@ results (inline and from object storage) match the sync client and the full-voca
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 
@@ -57,6 +58,12 @@ def test_waiting_without_consumers_keeps_the_loop_running(settings: Settings, r)
             sink = tracing.current_sink()
             assert sink is not None, "the asyncio client records its submit spans"
             await asyncio.to_thread(sink.flush)  # type: ignore[attr-defined]
+            # A full garbage collection walks every object this test process holds (torch,
+            # megatron and hundreds of earlier tests' leftovers) and can pause the loop for
+            # half a second; that is the test process's heap, not the client blocking, so
+            # the heap so far is moved out of the collector's reach while the loop is timed.
+            gc.collect()
+            gc.freeze()
             t0 = time.monotonic()
             with pytest.raises(TimeoutError, match="2000 of 2000 jobs not done"):
                 await client.wait(ids, timeout=1.0)
@@ -81,7 +88,10 @@ def test_waiting_without_consumers_keeps_the_loop_running(settings: Settings, r)
         await ticker
         return ticks, windows, readers, connections
 
-    ticks, windows, readers, connections = asyncio.run(main())
+    try:
+        ticks, windows, readers, connections = asyncio.run(main())
+    finally:
+        gc.unfreeze()
     first = windows[0][1] - windows[0][0]
     assert 0.9 <= first < 1.5, f"wait(timeout=1.0) returned after {first:.2f} s"
     for start, end in windows:
