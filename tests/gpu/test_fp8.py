@@ -98,7 +98,7 @@ def test_fp8_checkpoint_serves_fp8_linears(hf_checkpoint, tmp_path, layout, cubl
     from consumer.checkpoints import load_hf_checkpoint
     from consumer.forward.scoring import Scorer
     from consumer.group.batching import batch_from_jobs
-    from tests.unit.test_fp8_checkpoints import VOCAB, _jobs, write_fp8_pair
+    from tests.fp8_reference import VOCAB, fp8_jobs, write_fp8_pair
 
     sizes = {"hidden_size": 512, "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 128,
              "intermediate_size": 1024, "num_layers": 2}  # fmt: skip
@@ -112,7 +112,7 @@ def test_fp8_checkpoint_serves_fp8_linears(hf_checkpoint, tmp_path, layout, cubl
         fp8_params = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
         assert len(fp8_params) == (8 if mode == "auto" else 0), fp8_params
         scorer = Scorer(model=model, spec=spec, layout=layout, device=CUDA)
-        scores[mode] = scorer.score(batch_from_jobs(_jobs()))
+        scores[mode] = scorer.score(batch_from_jobs(fp8_jobs()))
     pairs = zip(scores["auto"], scores["dequantize"], strict=True)
     diff = np.concatenate([np.abs(a["logprobs"] - d["logprobs"]) for a, d in pairs])
     assert diff.mean() < 0.1 and diff.max() < 0.5, (diff.mean(), diff.max())
