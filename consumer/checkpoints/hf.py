@@ -312,6 +312,7 @@ def load_hf_weights(
         log.info("checkpoint.nextn_layers_skipped", layers=layers, tensors=len(skipped),
                  reason="multi-token-prediction layers are not part of the forward")  # fmt: skip
     in_fp8 = _fp8_linears(model, ckpt, readers, fp8)
+    model.teacherq_fp8_plan = fp8_plan(ckpt, next(model.parameters()).device, fp8)
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(readers))
     unknown = sorted(set(readers) - set(params))
@@ -338,9 +339,20 @@ def load_hf_weights(
             writer.finish()
 
 
+def fp8_plan(ckpt: HfCheckpoint, device: torch.device, fp8: str) -> tuple | None:
+    """Which linears a load of `ckpt` on `device` under `model.fp8` = `fp8` holds in FP8:
+    None when none do (no FP8 checkpoint, or it is dequantized), else its block size and
+    quantized tensors. Two checkpoints of one shape and one plan convert the same linears,
+    so one can be loaded in place of the other (`Reloader`); a different plan rebuilds."""
+    if ckpt.fp8 is None or hf_fp8.fp8_compute_problem(fp8, device, ckpt.fp8) is not None:
+        return None
+    return (ckpt.fp8.block_rows, ckpt.fp8.block_cols, frozenset(ckpt.scales))
+
+
 def _fp8_linears(model: TeacherGPTModel, ckpt: HfCheckpoint, readers: dict, fp8: str) -> set:
     """With an FP8 checkpoint where FP8 GEMMs run, give the linears their FP8 shards (the
-    names returned); log what stays dequantized and why."""
+    names returned; linears already in FP8 are overwritten where they are); log what stays
+    dequantized and why."""
     if ckpt.fp8 is None:
         return set()
     first = next(model.parameters())

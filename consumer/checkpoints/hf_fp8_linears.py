@@ -110,8 +110,22 @@ def make_fp8_linear(
     path: str = "auto",
 ) -> None:
     """Hold `weight` (float8_e4m3fn, this rank's [N, K] shard) and its block scales in the
-    module, and multiply through the FP8 GEMM from now on."""
+    module, and multiply through the FP8 GEMM from now on. A module already in FP8 with the
+    same shapes and block gets the new values copied into its tensors (a weight update in
+    place: CUDA graphs recorded on those tensors stay valid)."""
     device = module.weight.device
+    held = getattr(module, "weight_scale_inv", None)
+    if (
+        held is not None
+        and getattr(module, "fp8_block", None) == block
+        and module.weight.dtype == weight.dtype
+        and module.weight.shape == weight.shape
+        and held.shape == scale_inv.shape
+    ):
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            held.copy_(scale_inv)
+        return
     module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
     module.register_buffer("weight_scale_inv", scale_inv.to(device, torch.float32))
     module.fp8_block = block

@@ -79,7 +79,12 @@ class Reloader:
 
     `path` "" means the configured model (`configured`, None for the tiny preset). A load in
     place that fails part-way puts the previous weights back before it raises; `undo` does the
-    same after a load that succeeded here but failed on a peer rank (see `load_agreed`)."""
+    same after a load that succeeded here but failed on a peer rank (see `load_agreed`).
+
+    FP8 checkpoints (`fp8`: the `model.fp8` setting): where their linears run in FP8, an update
+    loads in place only when the new checkpoint holds the same linears in FP8 with the same
+    blocks (`hf.fp8_plan`); between an FP8-compute model and a bf16 checkpoint, or the other
+    way, the model is rebuilt. Dequantized FP8 checkpoints load in place like any other."""
 
     def __init__(
         self,
@@ -89,8 +94,10 @@ class Reloader:
         configured: str | None,
         build: Callable[[str], tuple[Any, str]],
         warm: Callable[[Any], None],
+        fp8: str = "auto",
     ) -> None:
         self.scorer = scorer
+        self.fp8 = fp8
         self.path = path  # what the scorer serves now ("" = the configured model)
         self.configured = configured
         self.build = build
@@ -133,18 +140,27 @@ class Reloader:
         current = self.scorer
         if target is None:  # the tiny preset: random weights, built anew
             return None
-        from consumer.checkpoints.hf import HfCheckpoint, load_hf_weights, validate_hf_checkpoint
+        from consumer.checkpoints.hf import (
+            HfCheckpoint,
+            fp8_plan,
+            load_hf_weights,
+            validate_hf_checkpoint,
+        )
         from consumer.checkpoints.teacher import checkpoint_kind, model_version
 
         if checkpoint_kind(target) != "hf":
             return None
         layout = current.layout
+        device = next(current.model.parameters()).device
         with HfCheckpoint(target) as ckpt:
             spec = validate_hf_checkpoint(ckpt, tp=layout.tp, ep=layout.ep)
             if spec != current.spec:
                 return None
+            held = getattr(current.model, "teacherq_fp8_plan", None)
+            if fp8_plan(ckpt, device, self.fp8) != held:
+                return None  # FP8 linears would come or go: another model
             try:
-                load_hf_weights(current.model, spec, ckpt, layout)
+                load_hf_weights(current.model, spec, ckpt, layout, fp8=self.fp8)
             except BaseException:
                 self._restore(self.path)  # half-written parameters: the old weights back
                 raise
@@ -160,7 +176,9 @@ class Reloader:
                 from consumer.checkpoints.teacher import checkpoint_kind
 
                 if checkpoint_kind(target) == "hf":
-                    load_hf_weights(model, self.scorer.spec, target, self.scorer.layout)
+                    load_hf_weights(
+                        model, self.scorer.spec, target, self.scorer.layout, fp8=self.fp8
+                    )
                     return
             old, _ = self.build(path)  # e.g. the tiny preset: built again, copied over
             with torch.no_grad():

@@ -287,6 +287,7 @@ def run(
             configured=settings.model.path,
             build=lambda p: build_scorer(settings, layout, p or None),
             warm=lambda fresh: log.info("weights.warmed_up", **warmup(fresh, settings)),
+            fp8=settings.model.fp8,
         )
 
         def ready_phases() -> dict[str, float]:

@@ -98,7 +98,7 @@ def test_fp8_checkpoint_serves_fp8_linears(hf_checkpoint, tmp_path, layout, cubl
     from consumer.checkpoints import load_hf_checkpoint
     from consumer.forward.scoring import Scorer
     from consumer.group.batching import batch_from_jobs
-    from tests.unit.test_fp8_checkpoints import VOCAB, _jobs, write_fp8_pair
+    from tests.fp8_reference import VOCAB, fp8_jobs, write_fp8_pair
 
     sizes = {"hidden_size": 512, "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 128,
              "intermediate_size": 1024, "num_layers": 2}  # fmt: skip
@@ -112,7 +112,54 @@ def test_fp8_checkpoint_serves_fp8_linears(hf_checkpoint, tmp_path, layout, cubl
         fp8_params = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
         assert len(fp8_params) == (8 if mode == "auto" else 0), fp8_params
         scorer = Scorer(model=model, spec=spec, layout=layout, device=CUDA)
-        scores[mode] = scorer.score(batch_from_jobs(_jobs()))
+        scores[mode] = scorer.score(batch_from_jobs(fp8_jobs()))
     pairs = zip(scores["auto"], scores["dequantize"], strict=True)
     diff = np.concatenate([np.abs(a["logprobs"] - d["logprobs"]) for a, d in pairs])
     assert diff.mean() < 0.1 and diff.max() < 0.5, (diff.mean(), diff.max())
+
+
+def test_fp8_update_in_place_keeps_cuda_graphs_valid(hf_checkpoint, tmp_path, layout, cublas):
+    """An update between two FP8 checkpoints of one shape while CUDA graphs are recorded on
+    the model: it loads in place (the FP8 weights and scales overwritten in their tensors),
+    and the recorded graph's next replay scores exactly as a fresh load of the new checkpoint
+    (a graph still reading the old tensors, or their freed memory, would not)."""
+    import numpy as np
+
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.forward.graphs import GraphedForward
+    from consumer.forward.scoring import Scorer
+    from consumer.group.batching import batch_from_jobs
+    from consumer.serve.reload import Reloader
+    from tests.fp8_reference import VOCAB, fp8_jobs, write_fp8_pair
+
+    sizes = {"hidden_size": 512, "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 128,
+             "intermediate_size": 1024, "num_layers": 2}  # fmt: skip
+    paths = []
+    for name, seed in (("a", 3), ("b", 4)):
+        source = hf_checkpoint("qwen3", f"gpu-fp8-src-{name}", seed=seed, vocab_size=VOCAB, **sizes)
+        paths.append(str(write_fp8_pair(source, tmp_path / name, [128, 128])[0]))
+    graphs: list[GraphedForward] = []
+
+    def build(path: str, graphed: bool = True):
+        model, spec = load_hf_checkpoint(
+            path, layout, params_dtype=torch.bfloat16, device=CUDA, fp8="auto"
+        )
+        recorder = GraphedForward(model, max_graphs=2) if graphed else None
+        graphs.extend([recorder] if recorder else [])
+        return Scorer(model=model, spec=spec, layout=layout, device=CUDA, graphs=recorder), path
+
+    scorer, _ = build(paths[0])
+    batch = batch_from_jobs(fp8_jobs())
+    for _ in range(3):  # eager, recorded (second sighting), replayed
+        scorer.score(batch)
+    assert graphs[0].captures == 1 and graphs[0].replays >= 1
+    reloader = Reloader(scorer=scorer, path=paths[0], configured=None, build=build,
+                        warm=lambda s: None, fp8="auto")  # fmt: skip
+    got, _ = reloader(paths[1])
+    assert got is scorer and reloader.last_in_place
+    replays = graphs[0].replays
+    have = scorer.score(batch)
+    assert graphs[0].replays == replays + 1 and graphs[0].captures == 1
+    want = build(paths[1], graphed=False)[0].score(batch)
+    for a, b in zip(have, want, strict=True):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)

@@ -8,7 +8,6 @@ odd (so tiny tensors span several blocks, ragged at their edges) and non-square.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -19,14 +18,18 @@ from safetensors.torch import load_file, save_file
 
 from consumer.checkpoints.validate import CheckpointError
 from consumer.group.batching import batch_from_jobs
-from shared.messages import Job, TeacherRequest
+from tests.fp8_reference import (
+    VOCAB,
+    dequantize_blockwise,
+    fp8_jobs,
+    quantize_blockwise,
+    write_fp8_pair,
+)
 from tests.gloo import run_gloo
 from tests.reference import hf_full_log_softmax
 from tests.timing import scaled
 
 ATOL = 2e-3
-VOCAB = 300
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MOE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
 CASES = {
     # name: (family, config sizes, weight_block_size); the blocks of each divide its TP=2 shares
@@ -37,72 +40,6 @@ CASES = {
 # ragged blocks (24 rows, 40 columns: neither divides 64 or 128): loads at TP=1; at TP=2 each
 # rank's 32 q rows would cut a block, which is refused
 RAGGED = ("qwen2", {}, [24, 40])
-LENGTHS = [9, 14, 6]
-
-
-def _quantized(name: str, tensor: torch.Tensor) -> bool:
-    """Which tensors the reference quantizes: the linears' weights, as the published
-    checkpoints do (not embeddings, lm_head, norms, routers, biases)."""
-    if tensor.ndim < 2 or "embed_tokens" in name or name.startswith("lm_head"):
-        return False
-    return not name.endswith("mlp.gate.weight") and "norm" not in name
-
-
-def quantize_blockwise(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference quantizer: each [br, bc] block of the last two dims scaled by its absmax / 448
-    into float8_e4m3fn; returns (fp8 weight, float32 scale_inv [.., ceil(R/br), ceil(C/bc)])."""
-    br, bc = block
-    *lead, rows, cols = w.shape
-    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
-    padded = torch.zeros(*lead, nr * br, nc * bc, dtype=torch.float32)
-    padded[..., :rows, :cols] = w.float()
-    blocks = padded.reshape(*lead, nr, br, nc, bc)
-    absmax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
-    q = (blocks / scale[..., :, None, :, None]).to(torch.float8_e4m3fn)
-    q = q.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols].contiguous()
-    return q, scale
-
-
-def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """Reference dequantization: each stored value times its block's scale, in float32."""
-    br, bc = block
-    *lead, rows, cols = q.shape
-    nr, nc = scale.shape[-2:]
-    padded = torch.zeros(*lead, nr * br, nc * bc, dtype=torch.float32)
-    padded[..., :rows, :cols] = q.float()
-    blocks = padded.reshape(*lead, nr, br, nc, bc) * scale[..., :, None, :, None]
-    return blocks.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols].contiguous()
-
-
-def write_fp8_pair(source: Path, out: Path, block: list[int], **quant) -> tuple[Path, Path]:
-    """From a transformers checkpoint, write its FP8 version (`out/fp8`) and the reference
-    dequantization of that (`out/ref`, float32, no quantization_config)."""
-    fp8, ref = out / "fp8", out / "ref"
-    for d in (fp8, ref):
-        d.mkdir(parents=True)
-        for f in source.iterdir():
-            if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-                shutil.copy(f, d / f.name)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(source.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    stored, plain = {}, {}
-    for name, t in tensors.items():
-        if _quantized(name, t):
-            q, scale = quantize_blockwise(t, block)
-            stored[name], stored[name + "_scale_inv"] = q, scale
-            plain[name] = dequantize_blockwise(q, scale, block)
-        else:
-            stored[name], plain[name] = t, t.float()
-    save_file(stored, str(fp8 / "model.safetensors"))
-    save_file(plain, str(ref / "model.safetensors"))
-    config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": block, **quant}  # fmt: skip
-    (fp8 / "config.json").write_text(json.dumps(config))
-    return fp8, ref
 
 
 @pytest.fixture(scope="module")
@@ -119,26 +56,17 @@ def pairs(hf_checkpoint, tmp_path_factory) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _jobs() -> list[Job]:
-    rng = np.random.default_rng(5)
-    return [
-        Job(job_id=f"j{i}", entry_id=f"0-{i}", submitted_at=0.0,
-            request=TeacherRequest(input_ids=rng.integers(0, VOCAB, n).tolist(), top_k=3))
-        for i, n in enumerate(LENGTHS)
-    ]  # fmt: skip
-
-
 def _score(path: str, layout) -> list[dict]:
     from consumer.checkpoints import load_hf_checkpoint
     from consumer.forward.scoring import Scorer
 
     model, spec = load_hf_checkpoint(path, layout)
     scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
-    return scorer.score(batch_from_jobs(_jobs()))
+    return scorer.score(batch_from_jobs(fp8_jobs()))
 
 
 def _check_against_transformers(ref_path: str, got: list[dict]) -> None:
-    for job, out in zip(_jobs(), got, strict=True):
+    for job, out in zip(fp8_jobs(), got, strict=True):
         ids = np.asarray(job.request.input_ids)
         ref = hf_full_log_softmax(ref_path, ids)
         np.testing.assert_allclose(out["logprobs"], ref[np.arange(len(ids) - 1), ids[1:]],

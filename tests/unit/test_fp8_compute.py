@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from consumer.forward import fp8_gemm
+from consumer.group.batching import batch_from_jobs
+from tests.fp8_reference import VOCAB, fp8_jobs, write_fp8_pair
 from tests.gloo import run_gloo
 from tests.timing import scaled
-from tests.unit.test_fp8_checkpoints import VOCAB, _jobs, write_fp8_pair
 
 # hidden and FFN multiples of 128 (activation groups); 32 x 64 blocks keep each KV group's
 # q, k and v rows whole blocks at TP=1 and TP=2; 8 heads of 32 give o_proj 128 input columns
@@ -69,7 +70,7 @@ def _score(model, spec, layout) -> list[dict]:
     from consumer.group.batching import batch_from_jobs
 
     scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
-    return scorer.score(batch_from_jobs(_jobs()))
+    return scorer.score(batch_from_jobs(fp8_jobs()))
 
 
 def _compare(fp8_scores: list[dict], plain_scores: list[dict]) -> None:
@@ -106,3 +107,85 @@ def test_fp8_linears_at_tp2(pair):
     TP-reduced scores match the dequantized model's within the FP8 activation rounding."""
     fp8_scores, plain_scores = run_gloo(2, _tp2_worker, pair[0], timeout=scaled(300))[0]
     _compare(fp8_scores, plain_scores)
+
+
+@pytest.fixture(scope="module")
+def pair_b(hf_checkpoint, tmp_path_factory) -> str:
+    """A second FP8 teacher of `pair`'s shape (another seed)."""
+    source = hf_checkpoint("qwen3", "fp8-compute-src-b", seed=14, vocab_size=VOCAB, **SIZES)
+    return str(write_fp8_pair(source, tmp_path_factory.mktemp("fp8c-b"), BLOCK)[0])
+
+
+def _fp8_state(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {
+        name: (module.weight.detach().clone(), module.weight_scale_inv.clone())
+        for name, module in model.named_modules()
+        if hasattr(module, "weight_scale_inv")
+    }
+
+
+def test_weight_update_between_fp8_checkpoints_is_in_place(pair, pair_b, layout, monkeypatch):
+    """With FP8 compute on, an update to another FP8 checkpoint of the same shape overwrites
+    the FP8 weights and scales in their own tensors (CUDA graphs recorded on them stay valid)
+    and then scores exactly as a fresh load of it; an update to an unquantized checkpoint of
+    the same shape rebuilds the model instead of copying its values into FP8 tensors."""
+    from consumer.checkpoints import hf_fp8, load_hf_checkpoint
+    from consumer.forward.scoring import Scorer
+    from consumer.serve.reload import Reloader
+
+    # The CPU has no FP8 GEMM: the emulated product stands in for cuBLAS's, as above.
+    monkeypatch.setattr(hf_fp8, "fp8_compute_problem", lambda *args: None)
+    builds: list[str] = []
+
+    def build(path: str):
+        builds.append(path)
+        model, spec = load_hf_checkpoint(path, layout)
+        return Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu")), path
+
+    scorer, _ = build(pair[0])
+    fresh_b, _ = build(pair_b)
+    builds.clear()
+    held = _fp8_state(scorer.model)
+    assert len(held) == 2 * len(LINEARS)
+    tensors = {n: p.data_ptr() for n, p in scorer.model.named_parameters()}
+    reloader = Reloader(scorer=scorer, path=pair[0], configured=None, build=build,
+                        warm=lambda s: None, fp8="auto")  # fmt: skip
+
+    got, _ = reloader(pair_b)
+    assert got is scorer and reloader.last_in_place and builds == []
+    assert {n: p.data_ptr() for n, p in scorer.model.named_parameters()} == tensors
+    want = _fp8_state(fresh_b.model)
+    for name, (weight, scale) in _fp8_state(scorer.model).items():
+        assert torch.equal(weight.view(torch.uint8), want[name][0].view(torch.uint8)), name
+        assert torch.equal(scale, want[name][1]), name
+        assert not torch.equal(scale, held[name][1]), f"{name}: still the first teacher's"
+    batch = batch_from_jobs(fp8_jobs())
+    for a, b in zip(scorer.score(batch), fresh_b.score(batch), strict=True):
+        np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
+
+    rebuilt, _ = reloader(pair[1])  # the dequantized reference: same shape, no FP8
+    assert rebuilt is not scorer and not reloader.last_in_place and builds == [pair[1]]
+    assert not _fp8_state(rebuilt.model)
+
+
+def test_weight_update_to_a_dequantized_fp8_checkpoint_is_in_place(pair, pair_b, layout):
+    """Where FP8 checkpoints are dequantized (the CPU here), an update from one to another
+    of the same shape loads in place like any other checkpoint, to the exact dequantized
+    values of the new one."""
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.forward.scoring import Scorer
+    from consumer.serve.reload import Reloader
+
+    def build(path: str):
+        model, spec = load_hf_checkpoint(path, layout)
+        return Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu")), path
+
+    scorer, _ = build(pair[0])
+    fresh_b, _ = build(pair_b)
+    reloader = Reloader(scorer=scorer, path=pair[0], configured=None, build=build,
+                        warm=lambda s: None, fp8="dequantize")  # fmt: skip
+    got, _ = reloader(pair_b)
+    assert got is scorer and reloader.last_in_place
+    want = dict(fresh_b.model.named_parameters())
+    for name, param in scorer.model.named_parameters():
+        assert torch.equal(param, want[name]), name
