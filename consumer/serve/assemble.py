@@ -137,7 +137,9 @@ def build_leader(
         health_max_age_s=max(30.0, 3 * c.heartbeat_interval_s),
         busy_max_s=c.job_timeout_s,
     )
-    dead_letters = DeadLetters(writer=writer, metrics=metrics, loaded=loaded, consumer=name)
+    dead_letters = DeadLetters(
+        writer=writer, metrics=metrics, loaded=loaded, consumer=name, heartbeat=heartbeat
+    )
     # The queue's limits, capped to what the served model takes.
     limits = Limits.for_queue(
         settings.queue,

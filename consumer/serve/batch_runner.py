@@ -230,11 +230,9 @@ class BatchRunner:
             **arrays,
         )
         if self.writer.full():
-            # Waiting for the writers (Redis full, replicas missing) is not the device
-            # hanging: the watchdog's clock stops meanwhile and starts again after.
-            self.heartbeat.batch_started = None
-            self.writer.wait_for_room()
-            self._heartbeat_batch()
+            # Waiting for the writers (Redis full, replicas missing) is not the device hanging.
+            with self.heartbeat.clock_stopped():
+                self.writer.wait_for_room()
         self.writer.submit(
             WriteTask(
                 result=result,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import structlog
 
+from consumer.serve.heartbeat import Heartbeat
 from consumer.serve.metrics import ConsumerMetrics
 from consumer.serve.replica import LoadedModel
 from consumer.serve.writer import ResultWriter, WriteTask
@@ -21,9 +22,16 @@ class DeadLetters:
     """Moves entries to the dead-letter stream and gives their waiters the error."""
 
     def __init__(
-        self, *, writer: ResultWriter, metrics: ConsumerMetrics, loaded: LoadedModel, consumer: str
+        self,
+        *,
+        writer: ResultWriter,
+        metrics: ConsumerMetrics,
+        loaded: LoadedModel,
+        consumer: str,
+        heartbeat: Heartbeat,
     ) -> None:
         self.writer = writer
+        self.heartbeat = heartbeat
         self.metrics = metrics
         self.loaded = loaded
         self.consumer = consumer
@@ -54,15 +62,17 @@ class DeadLetters:
         )
         job_id = letter.job_id
         result = TeacherResult(job_id=job_id, model_version=self.loaded.version, error=reason)
-        wrote = self.writer.write_now(
-            WriteTask(
-                result=result,
-                entry_id=entry_id,
-                tokens=entry_tokens(fields),
-                status="failed",
-                dead_letter=letter,
-            )
+        task = WriteTask(
+            result=result,
+            entry_id=entry_id,
+            tokens=entry_tokens(fields),
+            status="failed",
+            dead_letter=letter,
         )
+        # Written on the loop's thread: while Redis holds it (full, replicas missing) a batch
+        # in hand is not hanging.
+        with self.heartbeat.clock_stopped():
+            wrote = self.writer.write_now(task)
         if not wrote:
             # A dead letter never wins over a real result: the job has a record (the script
             # writes the dead letter only with the first record), or our stop's grace ran out.

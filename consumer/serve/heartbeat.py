@@ -14,11 +14,12 @@ full Redis must not make live consumers look dead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -70,6 +71,18 @@ class Heartbeat:
         self.extra: dict[str, Any] = {}  # more fields for the record (e.g. Redis memory)
         # Called on this thread before each beat (sampling Redis memory, noticing a stop).
         self.on_beat: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def clock_stopped(self) -> Iterator[None]:
+        """The hang watchdog does not count while the block runs (the loop waits on Redis, for
+        room among the writers or for a write to land, which is not the device hanging); a
+        batch in hand is timed afresh after it."""
+        started, self.batch_started = self.batch_started, None
+        try:
+            yield
+        finally:
+            if started is not None:
+                self.batch_started = time.monotonic()
 
     def start(self) -> None:
         """Beat once now (if Redis lets us), then every interval."""

@@ -29,7 +29,7 @@ from tests.helpers import (
     job_set,
     queues_on_distinct_shards,
 )
-from tests.processes import ValkeyCluster, ValkeySentinel
+from tests.processes import ValkeyCluster, ValkeySentinel, stop_all
 from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
@@ -206,6 +206,7 @@ def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
     the primary through a sentinel URL; the primary is killed -9 mid-run; the sentinels
     promote the replica; every job is done exactly once."""
     pair = ValkeySentinel(tmp_path / "sentinel")
+    procs = []
     try:
         s = Settings(
             redis={
@@ -230,7 +231,7 @@ def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
             return got
 
         assert asyncio.run(async_write()) == b"1"
-        start_consumer(s)
+        procs.append(start_consumer(s))
         ids = client.submit(job_set(10, seed=4))
         _wait_some_done(client, 2)
         old = pair.master_port()
@@ -242,6 +243,7 @@ def test_sentinel_failover_loses_nothing(tmp_path, start_consumer) -> None:
         client.wait(ids, timeout=scaled(180))
         assert_exactly_once(client, ids)
     finally:
+        stop_all(procs)  # before its Redis: a consumer left without one drains for its grace
         pair.stop()
 
 

@@ -37,7 +37,7 @@ from tests.helpers import (
     job_set,
     queues_on_distinct_shards,
 )
-from tests.processes import Valkey, ValkeyCluster
+from tests.processes import Valkey, ValkeyCluster, stop_all
 from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
@@ -252,10 +252,12 @@ def test_two_replicas_per_primary_ride_out_a_failover_with_acknowledged_writes(
     """Two replicas per primary: the promoted replica keeps one, so no write waits and every
     result is acknowledged by a replica; the consumer's start-up check did not warn."""
     c = ValkeyCluster(tmp_path / "cluster2", replicas=2)
+    procs = []
     try:
         [q] = queues_on_distinct_shards(1, "two")
         s = _settings(c, q, tmp_path)
         proc = start_consumer(s)
+        procs.append(proc)
         client = _producer(s)
         ids = client.submit(job_set(6, seed=41))
         client.wait(ids, timeout=scaled(120))
@@ -275,6 +277,7 @@ def test_two_replicas_per_primary_ride_out_a_failover_with_acknowledged_writes(
         assert "store.replica_wait" not in events
         assert not {"preflight.replicas_short", "preflight.replicas_no_spare"} & set(events)
     finally:
+        stop_all(procs)  # before its Redis: a consumer left without one drains for its grace
         c.stop()
 
 

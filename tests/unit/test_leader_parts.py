@@ -4,6 +4,7 @@ and, where it computes, a real tiny model on the CPU."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -29,6 +30,7 @@ from shared.messages import Limits
 from shared.settings import Settings
 from shared.streams import Entry, Streams
 from tests.helpers import job_set
+from tests.timing import scaled, wait_until
 
 NAME = "parts-test"
 
@@ -74,7 +76,11 @@ class Deps:
             queue=settings.queue.name, consumer=NAME, health_max_age_s=30.0, busy_max_s=60.0
         )
         self.dead_letters = DeadLetters(
-            writer=self.writer, metrics=self.metrics, loaded=self.loaded, consumer=NAME
+            writer=self.writer,
+            metrics=self.metrics,
+            loaded=self.loaded,
+            consumer=NAME,
+            heartbeat=self.heartbeat,
         )
 
     def claim(self, n: int) -> list[Entry]:
@@ -203,3 +209,35 @@ def test_build_leader_connects_the_parts(settings: Settings, r: redis.Redis, sco
         assert leader.heartbeat.describe()["model_version"] == "tiny-v1"
     finally:
         leader.writer.close()
+
+
+def test_a_dead_letter_waiting_on_a_full_redis_stops_the_hang_clock(
+    deps: Deps, r: redis.Redis
+) -> None:
+    """A dead letter is written on the loop's own thread. While Redis refuses it (full:
+    maxmemory reached under noeviction) the loop waits on Redis, not on the device, so the
+    hang watchdog's clock for the batch in hand is stopped; once the write lands the clock
+    starts afresh (a batch timed since before the wait would be killed as hung)."""
+    TeacherClient(deps.settings).submit(job_set(1))
+    (eid, fields) = deps.claim(1)[0]
+    before = time.monotonic() - 3600.0  # a batch in hand for an hour: past any job_timeout_s
+    deps.heartbeat.batch_started = before
+    policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)  # every write is refused from now on
+    sender = threading.Thread(
+        target=deps.dead_letters.send,
+        args=(eid.decode(), fields),
+        kwargs={"reason": "test", "exc_type": "Test", "deliveries": 1},
+    )
+    try:
+        sender.start()
+        wait_until(lambda: deps.writer.under_pressure, timeout=30, what="the write refused")
+        assert sender.is_alive() and deps.heartbeat.batch_started is None
+    finally:
+        r.config_set("maxmemory", 0)
+        r.config_set("maxmemory-policy", policy)
+        sender.join(timeout=scaled(30))
+    assert not sender.is_alive()
+    assert deps.heartbeat.batch_started is not None and deps.heartbeat.batch_started > before
+    assert r.xlen(keys.dead_stream(deps.settings.queue.name)) == 1
