@@ -65,12 +65,21 @@ def _check_exact(plain, model, converted) -> None:
         assert torch.equal(back, plain_params[name]), name
 
 
-def _score(model, spec, layout) -> list[dict]:
+def _scorer(model, spec, layout):
     from consumer.forward.scoring import Scorer
-    from consumer.group.batching import batch_from_jobs
 
-    scorer = Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
-    return scorer.score(batch_from_jobs(fp8_jobs()))
+    return Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu"))
+
+
+def _loaded(path: str, layout):
+    """A scorer of `path` as the consumer loads it (`model.fp8=auto`)."""
+    from consumer.checkpoints import load_hf_checkpoint
+
+    return _scorer(*load_hf_checkpoint(path, layout), layout)
+
+
+def _score(model, spec, layout) -> list[dict]:
+    return _scorer(model, spec, layout).score(batch_from_jobs(fp8_jobs()))
 
 
 def _compare(fp8_scores: list[dict], plain_scores: list[dict]) -> None:
@@ -129,8 +138,7 @@ def test_weight_update_between_fp8_checkpoints_is_in_place(pair, pair_b, layout,
     the FP8 weights and scales in their own tensors (CUDA graphs recorded on them stay valid)
     and then scores exactly as a fresh load of it; an update to an unquantized checkpoint of
     the same shape rebuilds the model instead of copying its values into FP8 tensors."""
-    from consumer.checkpoints import hf_fp8, load_hf_checkpoint
-    from consumer.forward.scoring import Scorer
+    from consumer.checkpoints import hf_fp8
     from consumer.serve.reload import Reloader
 
     # The CPU has no FP8 GEMM: the emulated product stands in for cuBLAS's, as above.
@@ -139,8 +147,7 @@ def test_weight_update_between_fp8_checkpoints_is_in_place(pair, pair_b, layout,
 
     def build(path: str):
         builds.append(path)
-        model, spec = load_hf_checkpoint(path, layout)
-        return Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu")), path
+        return _loaded(path, layout), path
 
     scorer, _ = build(pair[0])
     fresh_b, _ = build(pair_b)
@@ -172,17 +179,11 @@ def test_weight_update_to_a_dequantized_fp8_checkpoint_is_in_place(pair, pair_b,
     """Where FP8 checkpoints are dequantized (the CPU here), an update from one to another
     of the same shape loads in place like any other checkpoint, to the exact dequantized
     values of the new one."""
-    from consumer.checkpoints import load_hf_checkpoint
-    from consumer.forward.scoring import Scorer
     from consumer.serve.reload import Reloader
 
-    def build(path: str):
-        model, spec = load_hf_checkpoint(path, layout)
-        return Scorer(model=model, spec=spec, layout=layout, device=torch.device("cpu")), path
-
-    scorer, _ = build(pair[0])
-    fresh_b, _ = build(pair_b)
-    reloader = Reloader(scorer=scorer, path=pair[0], configured=None, build=build,
+    scorer, fresh_b = _loaded(pair[0], layout), _loaded(pair_b, layout)
+    reloader = Reloader(scorer=scorer, path=pair[0], configured=None,
+                        build=lambda p: (_loaded(p, layout), p),
                         warm=lambda s: None, fp8="dequantize")  # fmt: skip
     got, _ = reloader(pair_b)
     assert got is scorer and reloader.last_in_place
