@@ -30,7 +30,7 @@ def queue_registry(settings: Settings, r: redis.Redis, queues: list[str]) -> Col
             r,
             queues,
             group=settings.queue.group,
-            live_after_s=c.heartbeat_interval_s * c.dead_after_beats,
+            live_after_s=c.live_after_s,
         )
     )
     return registry

@@ -330,7 +330,7 @@ class TeacherClient:
         return self._request_weights(weights.CONFIGURED, wait=wait, timeout=timeout)
 
     def _request_weights(self, path: str, *, wait: bool, timeout: float) -> UpdateRequest:
-        fresh_s = 3 * self.settings.consumer.heartbeat_interval_s
+        fresh_s = self.settings.consumer.live_after_s
         # An update whose consumers all died mid-way has nobody left to finish it: replace it.
         orphaned = not weights.live_replicas(self.r, self.queue, fresh_s=fresh_s)
         req = weights.request_update(self.r, self.queue, path, take_over=orphaned)

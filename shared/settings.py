@@ -256,6 +256,11 @@ class ConsumerSettings(_Section):
     """A consumer whose heartbeat is older than this many intervals is dead: its pending
     entries are taken over at once, and its name and heartbeat are pruned once it holds none."""
 
+    @property
+    def live_after_s(self) -> float:
+        """A heartbeat younger than this marks a live consumer (`dead_after_beats` intervals)."""
+        return self.heartbeat_interval_s * self.dead_after_beats
+
     memory_pause_fraction: float = Field(default=0.95, gt=0, le=1)
     """Above this fraction of Redis's maxmemory (or while result writes are refused as out
     of memory) consumers take no new work, and resume when there is room."""

@@ -10,6 +10,7 @@ error lines; head calls from flat keyword arguments.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -67,12 +68,16 @@ def wait_consumer_state(client, state: str, timeout: float = scaled(30)) -> None
 
 
 def fast(settings: Settings, **consumer: object) -> Settings:
-    """Settings with short timeouts so redelivery happens within seconds."""
+    """Settings with short timeouts so redelivery happens within seconds. The liveness and
+    hang limits stretch with TEACHERQ_TEST_TIMEOUT_SCALE like every deadline, so a busy
+    machine neither takes a slow live consumer for dead nor a slow batch for hung; a test's
+    own keyword arguments are kept as given."""
     base = {
         "block_ms": 100,
-        "visibility_timeout_s": 2.0,
+        "visibility_timeout_s": scaled(2.0),
         "heartbeat_interval_s": 0.3,
-        "job_timeout_s": 3.0,
+        "dead_after_beats": math.ceil(scaled(3)),
+        "job_timeout_s": scaled(3.0),
         "max_deliveries": K,
         "batch_max_jobs": 4,
         "token_budget": 64,

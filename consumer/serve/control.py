@@ -151,7 +151,7 @@ class Control:
             self.revert()  # failed on another replica while this one loaded it: serve nothing
             return
         self.publish_model()
-        live = weights.live_replicas(self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s)
+        live = weights.live_replicas(self.r, self.queue, fresh_s=self.c.live_after_s)
         done = weights.ack_update(
             self.r, self.queue, replica=self.consumer, generation=generation, live_replicas=live
         )

@@ -122,7 +122,7 @@ class Leader:
         if self.c.metrics_port:
             # One port per data-parallel replica of a launch, so leaders never clash.
             if self.loaded.scorer.layout.dp_rank == 0:  # the queue's figures once per launch
-                live_after_s = self.c.heartbeat_interval_s * self.c.dead_after_beats
+                live_after_s = self.c.live_after_s
                 collector = QueueCollector(
                     self.r, [self.queue], group=self.streams.group, live_after_s=live_after_s
                 )
@@ -242,7 +242,7 @@ class Leader:
         if total is None:
             return self.c.batch_max_jobs
         live = weights.live_replicas(
-            self.r, self.queue, fresh_s=3 * self.c.heartbeat_interval_s, states=("ready", "busy")
+            self.r, self.queue, fresh_s=self.c.live_after_s, states=("ready", "busy")
         )
         return max(1, min(self.c.batch_max_jobs, math.ceil(total / max(len(live), 1))))
 

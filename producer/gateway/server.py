@@ -227,7 +227,7 @@ class Gateway:
         """Heartbeat records of the consumers alive now (fresh beat, not stopped)."""
         assert self.aclient is not None
         c = self.settings.consumer
-        fresh_s = c.heartbeat_interval_s * c.dead_after_beats
+        fresh_s = c.live_after_s
         raw = cast(Fields, await self.aclient.r.hgetall(keys.consumers_key(self.queue)))
         now = time.time()
         out = {}
