@@ -24,7 +24,7 @@ from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
 from shared.streams import Streams
-from tests.helpers import REPO, wait_for_consumers
+from tests.helpers import REPO, fast, wait_for_consumers
 from tests.processes import Valkey, terminate
 from tests.timing import scaled, wait_until
 
@@ -86,24 +86,11 @@ def small_redis(tmp_path: Path) -> Iterator[SmallRedis]:
 
 
 def on(settings: Settings, url: str, **consumer: object) -> Settings:
-    """`settings` on the given Redis, with short timeouts and the consumer fields given."""
-    base = {
-        "block_ms": 100,
-        "visibility_timeout_s": 2.0,
-        "heartbeat_interval_s": 0.3,
-        "job_timeout_s": 20.0,
-        "max_deliveries": 3,
-        "batch_max_jobs": 4,
-        "token_budget": 64,
-        "stop_grace_s": 3.0,
-    }
-    base.update(consumer)
-    return settings.model_copy(
-        update={
-            "redis": settings.redis.model_copy(update={"url": url}),
-            "consumer": settings.consumer.model_copy(update=base),
-        }
-    )
+    """`settings` on the given Redis with the tests' fast consumer limits (`fast`), a longer
+    hang limit (batches wait on a full Redis here) and the fields given."""
+    s = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})
+    base = {"job_timeout_s": scaled(20.0), "stop_grace_s": 3.0}
+    return fast(s, **{**base, **consumer})
 
 
 def jobs(n: int, prefix: str = "j", length: int = 4) -> list[TeacherRequest]:
