@@ -124,6 +124,7 @@ def build_leader(
         job_timeout_s=c.job_timeout_s,
         describe=dict,  # the Leader describes itself (its counters, its model)
     )
+    claimer.holding = heartbeat.holds  # our own idle entries not in hand are taken again
     writer = build_writer(settings, streams, store, faults)
     memory = MemoryWatch(
         client,

@@ -10,7 +10,11 @@ Order of sources, per call of `next_entries`:
    heartbeat (`touch`), so only entries of dead or stuck consumers, or of one whose refresh
    failed, idle that long. When the owner is alive by its heartbeat, the takeover keeps the
    entry's delivery count (XCLAIM RETRYCOUNT): the owner's failed refresh is not a failed
-   attempt of the job, and must not push it towards the dead-letter stream;
+   attempt of the job, and must not push it towards the dead-letter stream.
+   Our own idle entries are taken again too, unless this process still works on them
+   (`holding`): an entry delivered to us whose reply never arrived (Redis killed or failed
+   over after the read ran, the client retrying the read) sits in our pending list unknown to
+   us, and nobody else takes it while our heartbeat is fresh;
 4. new entries (`>`), blocking up to `block_ms`.
 
 Entries deleted by trimming while pending come back empty from Redis; they are reported as
@@ -20,7 +24,7 @@ deleted (logged and counted) and acknowledged so they do not linger in the pendi
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -75,7 +79,10 @@ class Claimer:
         consumers_key: str | None = None,
         heartbeat_interval_s: float = 5.0,
         dead_after_beats: int = 3,
+        holding: Callable[[str], bool] | None = None,
     ) -> None:
+        """`holding(entry_id)`: whether this process still works on an entry of ours (the
+        heartbeat's held set); without it our own idle entries are left alone."""
         self.streams = streams
         self.r = streams.r
         self.name = name
@@ -84,6 +91,7 @@ class Claimer:
         self.dead_after_s = dead_after_beats * heartbeat_interval_s
         self.scan_interval_s = heartbeat_interval_s
         self.consumers_key = consumers_key or keys.consumers_key(streams.queue)
+        self.holding = holding
         self.reaper = Reaper(
             self.r,
             stream=streams.jobs,
@@ -217,7 +225,7 @@ class Claimer:
                 idle=self.visibility_ms,
             ),
         )
-        others = [row for row in rows if _text(row["consumer"]) != self.name]
+        others = [row for row in rows if self._claimable(row)]
         self._cursor = _text(rows[-1]["message_id"]) if len(rows) == 20 else "-"
         if not others:
             return []
@@ -241,6 +249,13 @@ class Claimer:
             self.stats.reclaimed_from_live += live
             log.info("claim.reclaimed", count=1, consumer=self.name, owner=owner, owner_alive=live)
         return entries
+
+    def _claimable(self, row: dict[str, Any]) -> bool:
+        """Another consumer's idle entry, or one of ours that we do not work on (its
+        delivery's reply was lost on the way)."""
+        if _text(row["consumer"]) != self.name:
+            return True
+        return self.holding is not None and not self.holding(_text(row["message_id"]))
 
     def _owner_alive(self, owner: str) -> bool:
         for peer in peers(self.r, self.streams.jobs, self.streams.group, self.consumers_key):

@@ -107,6 +107,11 @@ class Heartbeat:
         with self._lock:
             self.held.update(entry_ids)
 
+    def holds(self, entry_id: str) -> bool:
+        """Whether an entry is claimed here and not yet acknowledged."""
+        with self._lock:
+            return entry_id in self.held
+
     def release(self, entry_id: str) -> None:
         """An entry acknowledged."""
         with self._lock:

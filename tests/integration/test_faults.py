@@ -333,6 +333,41 @@ def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None
     assert_exactly_once(client, acknowledged)
 
 
+def test_a_delivery_whose_reply_was_lost_is_taken_again(settings, start_consumer) -> None:
+    """A read that ran in Redis but whose reply never reached the consumer (Redis killed or
+    failed over just after XREADGROUP, the client retrying the read) leaves an entry in the
+    consumer's own pending list that it knows nothing of. No other consumer takes it while
+    the owner's heartbeat is fresh, so a lone consumer must take it again itself, without
+    counting a delivery (the job never ran): here the entry is enqueued and delivered to the
+    running consumer's name in one transaction, as such a read leaves it."""
+    from shared.messages import encode_job
+    from shared.redis_client import execute_scripted
+
+    s = fast(settings)
+    proc = start_consumer(s)
+    client = TeacherClient(s)
+    [name] = client.consumers()
+    streams = client.streams
+    req = TeacherRequest(input_ids=[1, 2, 3, 4, 5], job_id="lost-reply")
+
+    def enqueue_and_deliver(pipe) -> None:
+        fields = encode_job(req, job_id=req.job_id)
+        streams.submit(req.job_id, fields, tokens=req.num_tokens, client=pipe)
+        pipe.xreadgroup(streams.group, name, {streams.jobs: ">"}, count=1)
+
+    *_, delivered = execute_scripted(client.r, enqueue_and_deliver)
+    assert len(delivered[0][1]) == 1, "the job went to the consumer's pending list unseen"
+    [res] = client.wait(["lost-reply"], timeout=scaled(60))
+    assert res.ok
+    assert_exactly_once(client, ["lost-reply"])
+    taken = [json.loads(line) for line in proc.log_path.read_text().splitlines() if line[:1] == "{"]
+    assert any(
+        e.get("event") == "claim.reclaimed" and e.get("owner") == name and e.get("owner_alive")
+        for e in taken
+    ), "taken again from its own pending list, as a live owner's (no delivery counted)"
+    assert proc.poll() is None
+
+
 def test_bad_entries_never_take_a_consumer_down(settings, start_consumer, r) -> None:
     from hypothesis import HealthCheck, given
     from hypothesis import settings as hsettings
