@@ -105,7 +105,14 @@ def cluster_settings(url: str, queue: str, tmp_path: Path, **redis_extra: object
     """Settings of a queue on a Valkey Cluster, writes acknowledged by one replica (unless
     `redis_extra` says otherwise), results under `tmp_path`, fast-failing consumers."""
     s = Settings(
-        redis={"url": url, "mode": "cluster", "min_replicas_acked": 1, **redis_extra},
+        redis={
+            "url": url,
+            "mode": "cluster",
+            "min_replicas_acked": 1,
+            # a replica back after its primary was killed takes longer on a busy machine
+            "replica_ack_timeout_s": scaled(10.0),
+            **redis_extra,
+        },
         queue={"name": queue},
         storage={"url": f"file://{tmp_path / 'objects'}"},
         consumer={"block_ms": 200},
