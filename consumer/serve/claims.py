@@ -79,10 +79,7 @@ class Claimer:
         consumers_key: str | None = None,
         heartbeat_interval_s: float = 5.0,
         dead_after_beats: int = 3,
-        holding: Callable[[str], bool] | None = None,
     ) -> None:
-        """`holding(entry_id)`: whether this process still works on an entry of ours (the
-        heartbeat's held set); without it our own idle entries are left alone."""
         self.streams = streams
         self.r = streams.r
         self.name = name
@@ -91,7 +88,9 @@ class Claimer:
         self.dead_after_s = dead_after_beats * heartbeat_interval_s
         self.scan_interval_s = heartbeat_interval_s
         self.consumers_key = consumers_key or keys.consumers_key(streams.queue)
-        self.holding = holding
+        # Whether this process still works on an entry of ours (the heartbeat's held set, set
+        # once the heartbeat exists); while None our own idle entries are left alone.
+        self.holding: Callable[[str], bool] | None = None
         self.reaper = Reaper(
             self.r,
             stream=streams.jobs,

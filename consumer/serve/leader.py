@@ -122,9 +122,8 @@ class Leader:
         if self.c.metrics_port:
             # One port per data-parallel replica of a launch, so leaders never clash.
             if self.loaded.scorer.layout.dp_rank == 0:  # the queue's figures once per launch
-                live_after_s = self.c.live_after_s
                 collector = QueueCollector(
-                    self.r, [self.queue], group=self.streams.group, live_after_s=live_after_s
+                    self.r, [self.queue], group=self.streams.group, live_after_s=self.c.live_after_s
                 )
                 self.metrics.registry.register(collector)
             self.metrics.serve(self.c.metrics_port + self.loaded.scorer.layout.dp_rank)
