@@ -6,8 +6,13 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated
 
@@ -127,19 +132,54 @@ def status(
             out.print(render(snap()))
         return
     try:
-        if use_json:
-            while True:
-                typer.echo(json.dumps(snap()))
-                sys.stdout.flush()
-                time.sleep(interval)
-        from rich.live import Live
+        with _until_interrupted() as pause:
+            if use_json:
+                while True:
+                    typer.echo(json.dumps(snap()))
+                    sys.stdout.flush()
+                    if not pause(interval):
+                        return
+            from rich.live import Live
 
-        with Live(render(snap()), console=out, auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
-                live.update(render(snap()), refresh=True)
-    except KeyboardInterrupt:
+            with Live(render(snap()), console=out, auto_refresh=False) as live:
+                while pause(interval):
+                    live.update(render(snap()), refresh=True)
+    except KeyboardInterrupt:  # a second Ctrl-C, during a refresh that hangs
         return
+
+
+@contextmanager
+def _until_interrupted() -> Iterator[Callable[[float], bool]]:
+    """For a refresh loop: yields `pause(seconds)`, which waits that long and returns False once
+    Ctrl-C (SIGINT) has come. The first SIGINT only records itself and wakes the pause, so the
+    loop ends between two refreshes: a KeyboardInterrupt raised wherever the main thread happens
+    to be can land in a finalizer, where Python drops it, and the loop would run on. A second
+    SIGINT raises KeyboardInterrupt at once (a refresh stuck on an unreachable Redis)."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signals = 0
+
+    def handle(_signum: int, _frame: object) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            raise KeyboardInterrupt
+        with suppress(BlockingIOError):
+            os.write(wake_w, b"\0")
+
+    def pause(seconds: float) -> bool:
+        if signals:
+            return False
+        woken, _, _ = select.select([wake_r], [], [], seconds)
+        return not woken and not signals
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield pause
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        os.close(wake_r)
+        os.close(wake_w)
 
 
 def register(app: typer.Typer) -> None:

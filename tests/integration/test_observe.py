@@ -365,7 +365,12 @@ def test_status_watch_refreshes_until_interrupted(settings: Settings) -> None:
         second = json.loads(proc.stdout.readline())
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=scaled(30))
+        try:
+            _, err = proc.communicate(timeout=scaled(30))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"status --watch ran on {scaled(30):.0f} s after SIGINT; stderr: {err}")
     assert first["queue"] == second["queue"] == settings.queue.name
     assert second["time"] > first["time"]
     assert proc.returncode == 0, err
