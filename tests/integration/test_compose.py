@@ -542,7 +542,11 @@ def test_tp2_profile_serves_one_replica_over_two_ranks(
     code = proc.wait(timeout=scaled(150))
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
     # torchrun forwards SIGTERM to both ranks; it reports the signal itself with exit code 1.
-    assert code in (0, 1), stack.logs()
+    # Now and then torch's launcher then aborts in its own exit, after the ranks are gone
+    # (SIGABRT, "terminate called without an active exception": a C++ thread of torchrun's,
+    # no teacherq code runs in that process); the ranks' drain is what the asserts below check.
+    launcher_abort = code == -signal.SIGABRT and "terminate called without an active" in log
+    assert code in (0, 1) or launcher_abort, stack.logs()
     assert "SIGKILL" not in log, "torchrun killed a rank before it drained"
     assert '"consumer.stopped"' in log, stack.logs()
     [beat] = client.consumers().values()

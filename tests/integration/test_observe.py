@@ -355,7 +355,9 @@ def test_status_of_an_unused_queue_creates_nothing(settings: Settings, r: redis.
 
 
 def test_status_watch_refreshes_until_interrupted(settings: Settings) -> None:
-    env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
+    # PYTHONFAULTHANDLER: a watch still running after SIGINT gets SIGABRT, and its stderr then
+    # shows where each of its threads was.
+    env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "status", "--watch", "--json", "--interval", "0.2"],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -368,7 +370,7 @@ def test_status_watch_refreshes_until_interrupted(settings: Settings) -> None:
         try:
             _, err = proc.communicate(timeout=scaled(30))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            proc.send_signal(signal.SIGABRT)
             _, err = proc.communicate()
             pytest.fail(f"status --watch ran on {scaled(30):.0f} s after SIGINT; stderr: {err}")
     assert first["queue"] == second["queue"] == settings.queue.name
