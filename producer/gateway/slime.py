@@ -179,14 +179,16 @@ def _response(job_id: str, res: TeacherResult, rows: int) -> dict[str, Any]:
 
 async def update_weights(gw: Gateway, payload: dict[str, Any]) -> dict[str, Any]:
     """slime's semantics on the queue's weight-update path: a path every consumer already
-    serves (their heartbeats say so) is skipped, the same path in progress coalesces, another
-    path in progress is refused (409)."""
+    serves is skipped, the same path in progress coalesces, another path in progress is
+    refused (409). "Already serves": the last update, to that path, is done (every live
+    consumer loaded it; their heartbeats can say so a beat later), or the heartbeats say so."""
     raw = payload.get("model_path") or payload.get("path") or payload.get("load")
     if not raw:
         raise HttpError(400, "missing model_path")
     path = str(raw)
     state = await gw.weights_state()
-    if state.state != "updating" and await gw.served_paths() == {path}:
+    loaded = state.state == "done" and state.path == path
+    if loaded or (state.state != "updating" and await gw.served_paths() == {path}):
         return {"ok": True, "model_path": path, "skipped": True}
     timeout = positive(payload.get("timeout_s"), "timeout_s") or gw.g.update_timeout_s
     check = payload.get("check", True)

@@ -238,8 +238,13 @@ def test_update_weights_from_disk(settings, start_consumer, start_gateway, teach
     status, out = gw.call("POST", "/update_weights_from_disk", {"model_path": str(a)})
     assert status == 409 and "teacher-b" in out["error"]
     status, out = gw.call("POST", "/update_weights_from_disk", {"path": str(b)})
-    assert status == 200 and out["ok"] and out["coalesced"] is True, out
-    assert out["update_result"]["generation"] == started.generation == 1
+    assert status == 200 and out["ok"], out
+    # An in-place load takes tens of milliseconds: on a busy machine the update to B can be
+    # done before this call arrives. B is then served and the call skipped, never run again
+    # (generation 1 below).
+    if not out.get("skipped"):
+        assert out["coalesced"] is True, out
+        assert out["update_result"]["generation"] == started.generation == 1
 
     status, after = gw.call("POST", "/generate", {"input_ids": ids})
     assert status == 200 and after["model_generation"] == 1
