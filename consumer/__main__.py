@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -47,7 +48,12 @@ def main() -> int:
                 raise UnsafeRedis(verdict)
         from consumer.serve.service import run
 
-        return run(settings, started=started, compile_caches=caches)
+        code = run(settings, started=started, compile_caches=caches)
+        # Served and drained: everything is stored and acknowledged. Freezing the heap keeps
+        # the interpreter's final collection from walking torch's and megatron-core's objects
+        # (seconds of an exit on a CPU host); output streams are still flushed at exit.
+        gc.freeze()
+        return code
     except UnsafeRedis as exc:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")

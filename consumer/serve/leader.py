@@ -113,8 +113,10 @@ class Leader:
         check_redis(self.r, policy=self.c.durable_redis)
         self.streams.ensure_group()
         self._publish_model()
-        self.heartbeat.start()
+        # Ready from the first beat: a supervisor (or `teacherq status`) waiting for this
+        # replica sees it now, not one heartbeat interval later.
         self.heartbeat.state = "ready"
+        self.heartbeat.start()
         phases = self._ready_phases() if self._ready_phases is not None else {}
         log.info(
             "consumer.ready", consumer=self.name, model_version=self.loaded.version, phases_s=phases

@@ -3,6 +3,7 @@ the failure callback, and the worker that runs them."""
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Sequence
@@ -126,6 +127,19 @@ class DatasetWorker(Worker):
     """
 
     heartbeat_margin_s = 10
+
+    def bootstrap(self, *args: Any, **kwargs: Any) -> None:
+        """rq registers the worker before it installs its SIGTERM/SIGINT handlers (after
+        starting its scheduler): a stop in between killed the worker still registered. Until
+        rq's handlers take over, a stop is recorded and the loop leaves at its first check,
+        deregistering as a warm shutdown does."""
+
+        def stop_early(signum: int, frame: object) -> None:
+            self._stop_requested = True
+
+        signal.signal(signal.SIGTERM, stop_early)
+        signal.signal(signal.SIGINT, stop_early)
+        super().bootstrap(*args, **kwargs)
 
     def get_heartbeat_ttl(self, job: RqJob, working_time: float = 0.0) -> int:
         """TTL of the job's next heartbeat."""
