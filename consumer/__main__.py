@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
 import signal
 import sys
@@ -48,12 +47,7 @@ def main() -> int:
                 raise UnsafeRedis(verdict)
         from consumer.serve.service import run
 
-        code = run(settings, started=started, compile_caches=caches)
-        # Served and drained: everything is stored and acknowledged. Freezing the heap keeps
-        # the interpreter's final collection from walking torch's and megatron-core's objects
-        # (seconds of an exit on a CPU host); output streams are still flushed at exit.
-        gc.freeze()
-        return code
+        return run(settings, started=started, compile_caches=caches)
     except UnsafeRedis as exc:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")

@@ -67,6 +67,11 @@ def _child(
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - the child reports any failure to the parent
         results.put((rank, False, traceback.format_exc()))
+    # The message is in the pipe once the queue's feeder thread is done; then leave without
+    # the interpreter's teardown of torch and megatron-core (a second or two per rank).
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_gloo(
