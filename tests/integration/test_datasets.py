@@ -576,3 +576,41 @@ def test_dataset_replay_counts_replays_and_is_atomic(
             assert summary["dead_letters"] == {"skipped_max_replays": 1}
             assert summary["state"] == "done" and client.r.xlen(keys.dead_stream(q)) == 1
         assert int(client.r.hget(keys.replays_key(q), job_id)) == 1
+
+
+# A stop that lands in rq's start-up window: the worker is registered, its handlers are not in.
+_STOPPED_WHILE_STARTING = """
+import os, signal, sys
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+from producer.datasets.rq_plumbing import DatasetWorker
+
+class SignalledWhileStarting(DatasetWorker):
+    def register_birth(self, *args, **kwargs):
+        super().register_birth(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+conn = redis.Redis.from_url(sys.argv[1])
+queue = Queue(sys.argv[2], connection=conn, serializer=JSONSerializer)
+worker = SignalledWhileStarting(
+    [queue], connection=conn, serializer=JSONSerializer, name=sys.argv[3]
+)
+worker.work(logging_level="WARNING")
+"""
+
+
+def test_a_worker_stopped_while_starting_leaves_deregistered(redis_url: str) -> None:
+    from rq import Worker
+
+    name = f"early-stop-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOPPED_WHILE_STARTING, redis_url, f"{name}-queue", name],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        timeout=scaled(60),
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    conn = redis.Redis.from_url(redis_url)
+    assert name not in [w.name for w in Worker.all(connection=conn)], "left registered"
