@@ -126,6 +126,7 @@ class Served:
     error: str | None = None
     failed_by: str | None = None
     started_at: float | None = None
+    request_id: str | None = None  # the latest request's id (a call joining it reports it)
 
     def to_json(self) -> dict[str, object]:
         """The record as `teacherq status --json` shows it."""
@@ -171,6 +172,7 @@ def served_from_fields(raw: Fields) -> Served:
         error=_text(raw, b"error"),
         failed_by=_text(raw, b"failed_by"),
         started_at=float(started) if started else None,
+        request_id=_text(raw, b"request_id"),
     )
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
 
 from producer.gateway.common import HttpError, positive
 from producer.gateway.server import Gateway, new_job_id
-from shared import keys, weights
+from shared import weights
 from shared.errors import InvalidCheckpoint, InvalidJob, WeightUpdateFailed
 from shared.messages import OPTION_FIELDS, TeacherRequest, TeacherResult, parse_request
 
@@ -199,7 +199,7 @@ async def update_weights(gw: Gateway, payload: dict[str, Any]) -> dict[str, Any]
         if state.state == "updating" and state.path == path:
             # The same path in progress: join that generation. Asking the queue again could
             # start a second, redundant update if this one finished in the meantime.
-            req = await asyncio.to_thread(join_update, gw, state.generation, timeout)
+            req = await asyncio.to_thread(join_update, gw, state, timeout)
         else:
             req = await asyncio.to_thread(
                 gw.client.update_weights, path, wait=True, timeout=timeout, check=check
@@ -224,16 +224,12 @@ async def update_weights(gw: Gateway, payload: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def join_update(gw: Gateway, generation: int, timeout: float) -> weights.UpdateRequest:
-    """Wait for the running update `generation` (raising as `update_weights` does)."""
-    r, queue = gw.client.r, gw.client.queue
-    gen, rid = cast(
-        list[bytes | None], r.hmget(keys.weights_key(queue), ["generation", "request_id"])
+def join_update(gw: Gateway, running: weights.Served, timeout: float) -> weights.UpdateRequest:
+    """Wait for the `running` update's generation (raising as `update_weights` does)."""
+    weights.wait_done(gw.client.r, gw.client.queue, running.generation, timeout_s=timeout)
+    return weights.UpdateRequest(
+        request_id=running.request_id or "", generation=running.generation, coalesced=True
     )
-    weights.wait_done(r, queue, generation, timeout_s=timeout)
-    same = gen is not None and int(gen) == generation  # else a later update's id: not ours
-    request_id = rid.decode() if same and rid is not None else ""
-    return weights.UpdateRequest(request_id=request_id, generation=generation, coalesced=True)
 
 
 # -- GET endpoints ------------------------------------------------------------------------------
