@@ -138,6 +138,7 @@ class Leader:
         )
         try:
             self._loop(fetcher)
+            self.writer.flush()  # a write that failed for good stops the consumer loudly
         finally:
             self.heartbeat.state = "draining"
             fetcher.close()
@@ -211,6 +212,7 @@ class Leader:
                 self.heartbeat.state = "sleeping" if self.control.asleep else "ready"
                 self.control.maybe_sleep()
             self.metrics.tick(self.heartbeat.state)
+            self.writer.check()
             self.control.check()
             self.janitor.maybe_trim()
 

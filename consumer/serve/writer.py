@@ -2,9 +2,11 @@
 
 The device moves on to the next batch while results of the previous one are uploaded to
 object storage and written to Redis. Each job's write is one unit: upload the bulk arrays (if
-any), then one atomic script writes the record, announces it and XACKs. A failure retries with
-backoff until it succeeds or the process dies — in which case the entry, never acknowledged,
-is redelivered: nothing acknowledged is ever lost.
+any), then one atomic script writes the record, announces it and XACKs. A transient failure (an
+outage, a failover, Redis full) retries with backoff until it succeeds or the process dies — in
+which case the entry, never acknowledged, is redelivered: nothing acknowledged is ever lost. Any
+other failure is kept and raised on the loop's thread (`check`, `submit`, `flush`): the
+consumer stops loudly and the entry, still pending, is redelivered.
 
 Memory pressure: while Redis is full (maxmemory, noeviction) writes are refused and retried;
 `under_pressure` tells the loop to stop taking new work meanwhile, and `submit` blocks while
@@ -23,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import redis
@@ -95,6 +97,7 @@ class ResultWriter:
         self._refused_since: float | None = None  # first OOM refusal since the last success
         self._deadline: float | None = None  # give up retrying after this (monotonic)
         self.abandoned = 0
+        self._failure: BaseException | None = None  # the first write that failed for good
 
     @property
     def under_pressure(self) -> bool:
@@ -122,7 +125,8 @@ class ResultWriter:
         self._deadline = time.monotonic() + grace_s
 
     def submit(self, task: WriteTask) -> None:
-        """Persist in the background; blocks while `max_queued` writes are unfinished."""
+        """Persist in the background; blocks while `max_queued` writes are unfinished. Raises
+        the error of an earlier write that failed for good (see `check`)."""
         self.wait_for_room()
         self._mark(task, +1)
         self._futures.append(self._pool.submit(self._write_with_retry, task))
@@ -145,19 +149,28 @@ class ResultWriter:
         self._mark(task, +1)
         return self._write_with_retry(task)
 
+    def check(self) -> None:
+        """Raise the error of a background write that failed for good (not a transient error:
+        a missing bucket, bad credentials, a Redis reply we do not expect), so the consumer
+        stops loudly. Its entry stays pending, unacknowledged, and is redelivered (to another
+        consumer, or to this one restarted under its name)."""
+        if self._failure is not None:
+            raise self._failure
+
     def flush(self) -> None:
-        """Block until every submitted write has finished."""
-        for f in self._futures:
-            f.result()
+        """Block until every submitted write has finished; raises as `check` does."""
+        wait(self._futures)
         self._futures.clear()
+        self.check()
 
     def in_flight(self) -> int:
         """Writes not finished yet."""
         return sum(not f.done() for f in self._futures)
 
     def close(self) -> None:
-        """Finish pending writes and stop the threads."""
-        self.flush()
+        """Finish pending writes and stop the threads (no raise: `flush` or `check` before)."""
+        wait(self._futures)
+        self._futures.clear()
         self._pool.shutdown(wait=True)
 
     def full(self) -> bool:
@@ -165,15 +178,24 @@ class ResultWriter:
         return sum(not f.done() for f in self._futures) >= self.max_queued
 
     def wait_for_room(self) -> None:
-        """Block until fewer than `max_queued` writes are unfinished."""
+        """Block until fewer than `max_queued` writes are unfinished; raises as `check` does."""
         self._futures = [f for f in self._futures if not f.done()]
         while len(self._futures) >= self.max_queued:
-            self._futures[0].result()
+            wait(self._futures, return_when=FIRST_COMPLETED)
             self._futures = [f for f in self._futures if not f.done()]
+        self.check()
 
     def _write_with_retry(self, task: WriteTask) -> bool:
         try:
             return self._retry(task)
+        except Exception as exc:
+            # Kept for the loop (`check`): a future's error that nobody reads would leave the
+            # entry pending under a live consumer, refreshed by its heartbeat, never redone.
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("store.failed", job_id=task.result.job_id, error=error)
+            if self._failure is None:
+                self._failure = exc
+            raise
         finally:
             self._mark(task, -1)
             if self.acks is not None:  # done or given up: no longer held for replicas
@@ -194,6 +216,10 @@ class ResultWriter:
                 redis.exceptions.OutOfMemoryError,
                 TransientStorageError,
                 NotReplicated,
+                # The server that answered does not hold the script redis-py just loaded: a
+                # failover or restart between the load and the call (sentinel clients may
+                # reach old and new primary for a moment). The write is idempotent: again.
+                redis.exceptions.NoScriptError,
             ) as exc:
                 # Transient by policy: Redis restarting or full (noeviction: it refuses writes
                 # until consumers drain it), a storage hiccup. The entry stays pending until

@@ -1,0 +1,95 @@
+"""The consumer's background result writer against a real Redis: a write whose script the
+server lost is retried until stored; a write that fails for good is raised, never dropped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from consumer.group.faults import FaultInjector
+from consumer.serve.writer import ResultWriter, WriteTask
+from shared import keys
+from shared.messages import TeacherResult
+from shared.storage import ObjectStore
+from shared.streams import Streams
+from tests.timing import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class _ForgetsScripts(redis.Redis):
+    """A client of the real server that makes the server forget its scripts (SCRIPT FLUSH)
+    just before each of its first `forget` EVALSHA calls: what a consumer meets when a
+    failover or a restart falls between redis-py's SCRIPT LOAD and its EVALSHA (a sentinel
+    client can reach the old and the new primary for a moment)."""
+
+    forget = 0
+
+    def evalsha(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        if self.forget > 0:
+            self.forget -= 1
+            self.script_flush()
+        return super().evalsha(*args, **kwargs)
+
+
+def _writer(client: redis.Redis, settings) -> ResultWriter:  # type: ignore[no-untyped-def]
+    streams = Streams(client, settings.queue.name)
+    streams.ensure_group()
+    return ResultWriter(
+        streams=streams,
+        store=ObjectStore.from_settings(settings.storage),
+        queue=settings.queue.name,
+        inline_max_bytes=1 << 20,
+        ttl_s=600,
+        threads=2,
+        faults=FaultInjector(None),
+    )
+
+
+def _claimed_task(writer: ResultWriter, job_id: str) -> WriteTask:
+    """A job submitted and read by consumer `c`, with a result to store for it."""
+    streams = writer.streams
+    streams.submit(job_id, {"job_id": job_id}, tokens=4)
+    reply = streams.r.xreadgroup(streams.group, "c", {streams.jobs: ">"}, count=1)
+    entry_id = reply[0][1][0][0].decode()
+    result = TeacherResult(job_id=job_id, logprobs=np.array([-1.0, -2.5], dtype=np.float32))
+    return WriteTask(result=result, entry_id=entry_id, tokens=4)
+
+
+def _pending(writer: ResultWriter) -> int:
+    return int(writer.streams.r.xpending(writer.streams.jobs, writer.streams.group)["pending"])
+
+
+def test_a_write_whose_script_the_server_lost_is_retried_until_stored(redis_url, settings):
+    """Twice in a row the server forgets the completion script between redis-py's load and
+    its call (redis-py reloads once, then raises NoScriptError): the write is retried, the
+    record stored and the entry acknowledged."""
+    client = _ForgetsScripts.from_url(redis_url)
+    writer = _writer(client, settings)
+    task = _claimed_task(writer, "j-noscript")
+    client.forget = 2
+    writer.submit(task)
+    writer.flush()
+    writer.close()
+    assert client.forget == 0, "both script losses were met"
+    record = client.hgetall(keys.result_key(settings.queue.name, "j-noscript"))
+    assert record[b"status"] == b"ok"
+    assert _pending(writer) == 0, "the entry is acknowledged"
+
+
+def test_a_write_that_fails_for_good_is_raised_and_leaves_its_entry_pending(r, settings):
+    """A Redis error that is no outage (the result key holds a string: WRONGTYPE) fails the
+    write; the error is raised to the loop by `check` and by the next `submit`, never dropped
+    with its future, and the entry stays pending for redelivery."""
+    writer = _writer(r, settings)
+    task = _claimed_task(writer, "j-wrongtype")
+    r.set(keys.result_key(settings.queue.name, "j-wrongtype"), "not a hash")
+    writer.submit(task)
+    wait_until(lambda: writer.in_flight() == 0, "the write to finish")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        writer.check()
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        writer.submit(_claimed_task(writer, "j-next"))
+    writer.close()
+    assert _pending(writer) == 2, "neither entry is acknowledged"
