@@ -8,6 +8,8 @@ import signal
 import sys
 import time
 
+import structlog
+
 
 def main() -> int:
     """Read settings from the environment, configure logging, run the consumer.
@@ -16,7 +18,8 @@ def main() -> int:
     exit with 78 (EX_CONFIG), before any model is loaded: restarting cannot fix them, so
     supervisors should not restart on 78 (docs/operations.md)."""
     started = time.monotonic()  # the start of the "import" phase of time-to-ready
-    from shared.exitcodes import CONFIG
+    from shared.errors import ResultNotStored
+    from shared.exitcodes import CONFIG, FAILED
     from shared.log import configure_logging, route_library_logs
     from shared.settings import SettingsError, load_settings
 
@@ -52,6 +55,10 @@ def main() -> int:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")
         return CONFIG
+    except ResultNotStored as exc:  # logged as store.failed; the cause at debug level
+        structlog.get_logger("teacherq.consumer").debug("store.failed_cause", exc_info=exc)
+        sys.stderr.write(f"teacherq consumer: stopping: {exc}\n")
+        return FAILED
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ class TransientError(TeacherqError):
     """A Redis or object-store hiccup: retry with backoff."""
 
 
+class ResultNotStored(TeacherqError):
+    """A consumer could not store a job's result for a reason that retrying cannot fix (a
+    broken object store, a Redis reply teacherq does not expect): the consumer stops, and the
+    job's entry, never acknowledged, is redelivered."""
+
+
 class QueueFull(TeacherqError):
     """Submit refused by backpressure: the queue holds too many pending tokens."""
 

@@ -34,7 +34,7 @@ import structlog
 from consumer.group.faults import FaultInjector
 from consumer.serve.replica_ack import UNREPLICATED_FIELD, ReplicaAcks
 from shared.deadletter import DeadLetter
-from shared.errors import NotReplicated
+from shared.errors import NotReplicated, ResultNotStored
 from shared.messages import TeacherResult
 from shared.results import encode_record
 from shared.settings import RedisSettings
@@ -97,7 +97,7 @@ class ResultWriter:
         self._refused_since: float | None = None  # first OOM refusal since the last success
         self._deadline: float | None = None  # give up retrying after this (monotonic)
         self.abandoned = 0
-        self._failure: BaseException | None = None  # the first write that failed for good
+        self._failure: ResultNotStored | None = None  # the first write that failed for good
 
     @property
     def under_pressure(self) -> bool:
@@ -193,9 +193,13 @@ class ResultWriter:
             # entry pending under a live consumer, refreshed by its heartbeat, never redone.
             error = f"{type(exc).__name__}: {exc}"
             log.error("store.failed", job_id=task.result.job_id, error=error)
+            failure = ResultNotStored(
+                f"the result of job {task.result.job_id} could not be stored ({error}); "
+                "its entry stays pending and is redelivered"
+            )
             if self._failure is None:
-                self._failure = exc
-            raise
+                self._failure = failure
+            raise failure from exc
         finally:
             self._mark(task, -1)
             if self.acks is not None:  # done or given up: no longer held for replicas

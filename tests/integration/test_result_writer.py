@@ -3,17 +3,24 @@ server lost is retried until stored; a write that fails for good is raised, neve
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import redis
 
 from consumer.group.faults import FaultInjector
 from consumer.serve.writer import ResultWriter, WriteTask
+from producer import TeacherClient
 from shared import keys
+from shared.errors import ResultNotStored
 from shared.messages import TeacherResult
 from shared.storage import ObjectStore
 from shared.streams import Streams
-from tests.timing import wait_until
+from tests.helpers import job_set
+from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -87,9 +94,42 @@ def test_a_write_that_fails_for_good_is_raised_and_leaves_its_entry_pending(r, s
     r.set(keys.result_key(settings.queue.name, "j-wrongtype"), "not a hash")
     writer.submit(task)
     wait_until(lambda: writer.in_flight() == 0, "the write to finish")
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+    with pytest.raises(ResultNotStored, match="job j-wrongtype could not be stored.*WRONGTYPE"):
         writer.check()
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+    with pytest.raises(ResultNotStored, match="job j-wrongtype"):
         writer.submit(_claimed_task(writer, "j-next"))
     writer.close()
     assert _pending(writer) == 2, "neither entry is acknowledged"
+
+
+def test_a_consumer_whose_result_store_breaks_stops_loudly_and_keeps_the_entry(
+    settings, start_consumer, r
+):
+    """The object store breaks under a running consumer (its root directory replaced by a
+    file: every upload fails, and retrying cannot help): the consumer logs `store.failed` for
+    the job, ends with one line that names the job and the error (no traceback) and status 1,
+    and the job's entry stays pending, unacknowledged, for a consumer that can store it."""
+    s = settings.model_copy(
+        update={"queue": settings.queue.model_copy(update={"inline_max_bytes": 0})}
+    )
+    proc = start_consumer(s)
+    root = Path(s.storage.url.removeprefix("file://"))
+    shutil.rmtree(root, ignore_errors=True)
+    root.write_text("not a directory")
+    client = TeacherClient(s)
+    (job_id,) = client.submit(job_set(1, seed=7))
+    assert proc.wait(timeout=scaled(120)) == 1, proc.log_path.read_text()[-2000:]
+    failed = [
+        json.loads(line)
+        for line in proc.log_path.read_text().splitlines()
+        if '"store.failed"' in line
+    ]
+    assert [f["job_id"] for f in failed] == [job_id]
+    output = proc.log_path.read_text()
+    assert "Traceback" not in output, output[-2000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"teacherq consumer: stopping: the result of job {job_id} could not")
+    assert "Not a directory" in last
+    streams = Streams(r, s.queue.name)
+    assert r.xpending(streams.jobs, streams.group)["pending"] == 1
+    assert not r.exists(keys.result_key(s.queue.name, job_id))
