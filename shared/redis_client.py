@@ -3,13 +3,15 @@
 `connection_plan(cfg)` holds the mode rules (standalone, cluster, sentinel) independent of sync
 or asyncio; `connect(cfg)` builds the sync client from it (`PatientCluster` for a cluster: it
 resends commands with backoff across a failover) and `connect_async(cfg)` the asyncio one;
-`run_script` queues a Lua script on any client or pipeline (`EVAL` in a cluster pipeline), and
+`run_script` queues a Lua script on any client or pipeline (`EVAL` in a cluster pipeline; a
+NOSCRIPT reply is met by calling again), and
 `await_replicas` is the one `WAIT` (`redis.min_replicas_acked`). With no URL set, clients reach
 the embedded server (`shared.redis_server`) and look up its port again on every reconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -171,16 +173,35 @@ def connect(cfg: RedisSettings) -> redis.Redis:
     )
 
 
+# How often a script call meets NOSCRIPT before the error is raised, and the first pause.
+_SCRIPT_ATTEMPTS = 4
+_SCRIPT_RETRY_S = 0.05
+
+
 def run_script(
     script: Script, *, keys: Sequence[Any], args: Sequence[Any], client: Any = None
 ) -> Any:
     """Run a registered Lua script on `client` (its own client if None) or queue it on a
     pipeline. A cluster pipeline refuses EVALSHA (it could not load a missing script on the
     right shard mid-pipeline), so there the script's text is sent with EVAL; elsewhere redis-py
-    sends EVALSHA and loads the script once where needed."""
+    sends EVALSHA and loads the script once where needed.
+
+    NOSCRIPT can outlive redis-py's one reload: during a failover its SCRIPT LOAD and the
+    EVALSHA after it may reach different servers. A script that got NOSCRIPT did not run, so
+    the call is made again, after a short pause, up to `_SCRIPT_ATTEMPTS` times. (A queued
+    pipeline call raises nothing here: `execute_scripted` covers those.)"""
     if isinstance(client, ClusterPipeline):
         return client.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    return script(keys=keys, args=args, client=client)
+    pause = _SCRIPT_RETRY_S
+    for attempt in range(1, _SCRIPT_ATTEMPTS + 1):
+        try:
+            return script(keys=keys, args=args, client=client)
+        except redis.exceptions.NoScriptError:
+            if attempt == _SCRIPT_ATTEMPTS:
+                raise
+        time.sleep(pause)
+        pause *= 2
+    raise AssertionError("unreachable")
 
 
 async def run_script_async(
@@ -189,7 +210,16 @@ async def run_script_async(
     """`run_script` for redis.asyncio (an AsyncScript; a client or a pipeline)."""
     if isinstance(client, AsyncClusterPipeline):
         return client.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    return await script(keys=keys, args=args, client=client)
+    pause = _SCRIPT_RETRY_S
+    for attempt in range(1, _SCRIPT_ATTEMPTS + 1):
+        try:
+            return await script(keys=keys, args=args, client=client)
+        except redis.exceptions.NoScriptError:
+            if attempt == _SCRIPT_ATTEMPTS:
+                raise
+        await asyncio.sleep(pause)
+        pause *= 2
+    raise AssertionError("unreachable")
 
 
 def execute_scripted(client: redis.Redis, fill: Callable[[Any], None]) -> list[Any]:

@@ -175,14 +175,18 @@ class Streams:
 
     def ack(self, entry_id: str, *, tokens: int) -> None:
         """Acknowledge an entry without writing a result (e.g. a duplicate)."""
-        self._ack(keys=[self.jobs, self.pending_tokens_key], args=[self.group, entry_id, tokens])
+        run_script(
+            self._ack,
+            keys=[self.jobs, self.pending_tokens_key],
+            args=[self.group, entry_id, tokens],
+        )
 
     def requeue(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
         """Put an entry back at the end of the stream as a new entry (for another consumer)."""
         argv: list[Any] = [self.group, entry_id]
         for k, v in fields.items():
             argv += [k, v]
-        self._requeue(keys=[self.jobs], args=argv)
+        run_script(self._requeue, keys=[self.jobs], args=argv)
 
     def pending_tokens(self) -> int:
         """Tokens submitted through `submit` and not yet acknowledged."""

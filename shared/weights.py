@@ -39,6 +39,7 @@ import redis
 
 from shared import keys
 from shared.errors import TeacherqError, WeightUpdateFailed
+from shared.redis_client import run_script
 from shared.streams import Fields, StreamReply
 
 # A reset (back to each consumer's configured model) travels as this path.
@@ -210,7 +211,8 @@ def request_update(
     coalescing, see module doc). `take_over` replaces a running update instead of joining or
     refusing it: for when no live consumer is left to finish it."""
     script = r.register_script(_REQUEST)
-    status, value, gen = script(
+    status, value, gen = run_script(
+        script,
         keys=[keys.weights_key(queue), keys.control_stream(queue)],
         args=[path, secrets.token_hex(6), time.time(), stale_after_s, "1" if take_over else "0"],
     )
@@ -228,7 +230,8 @@ def fail_update(r: redis.Redis, queue: str, *, generation: int, replica: str, re
     """Record that `replica` could not load `generation`: the update is failed (if it is
     still the running one). Returns True if this call marked it failed."""
     script = r.register_script(_FAIL)
-    done = script(
+    done = run_script(
+        script,
         keys=[keys.weights_key(queue), keys.control_stream(queue)],
         args=[generation, replica, reason[:2000], time.time()],
     )
@@ -247,7 +250,9 @@ def ack_update(
         return False
     script = r.register_script(_DONE)
     return bool(
-        script(keys=[keys.weights_key(queue), keys.control_stream(queue)], args=[generation])
+        run_script(
+            script, keys=[keys.weights_key(queue), keys.control_stream(queue)], args=[generation]
+        )
     )
 
 

@@ -33,6 +33,7 @@ import structlog
 
 from consumer.serve.liveness import Reaper, is_dead, peers
 from shared import keys
+from shared.redis_client import run_script
 from shared.streams import Entry, StreamReply, Streams
 
 log = structlog.get_logger("teacherq.claims")
@@ -302,8 +303,10 @@ class Claimer:
             return 0
         try:
             return int(
-                self._touch(
-                    keys=[self.streams.jobs], args=[self.streams.group, self.name, *entry_ids]
+                run_script(
+                    self._touch,
+                    keys=[self.streams.jobs],
+                    args=[self.streams.group, self.name, *entry_ids],
                 )
             )
         except redis.RedisError as exc:

@@ -26,6 +26,7 @@ import redis
 import structlog
 
 from consumer.serve.claims import Claimer
+from shared.redis_client import run_script
 
 log = structlog.get_logger("teacherq.heartbeat")
 
@@ -124,7 +125,7 @@ class Heartbeat:
         record = {"state": self.state, "time": time.time(), "in_flight": len(held)}
         record.update(self.describe())
         record.update(self.extra)
-        self._beat(keys=[self.key], args=[self.name, json.dumps(record)])
+        run_script(self._beat, keys=[self.key], args=[self.name, json.dumps(record)])
         self.last_beat = time.monotonic()
 
     def refresh(self) -> None:

@@ -29,6 +29,7 @@ from typing import cast
 import redis
 import structlog
 
+from shared.redis_client import run_script
 from shared.streams import Fields
 
 log = structlog.get_logger("teacherq.liveness")
@@ -155,7 +156,7 @@ class Reaper:
                 holding.append(peer)
                 continue
             args: list[str | bytes] = [self.group, peer.name, peer.record]
-            if self._prune(keys=[self.stream, self.consumers_key], args=args):
+            if run_script(self._prune, keys=[self.stream, self.consumers_key], args=args):
                 self.pruned += 1
                 log.info("consumer.pruned", consumer=peer.name, beat_age_s=peer.beat_age_s)
         return holding

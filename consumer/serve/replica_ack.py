@@ -33,7 +33,7 @@ import structlog
 
 from shared import keys
 from shared.errors import NotReplicated
-from shared.redis_client import await_replicas
+from shared.redis_client import await_replicas, run_script
 from shared.replication import shard_replicas
 from shared.settings import RedisSettings
 
@@ -117,7 +117,7 @@ class ReplicaAcks:
         except NotReplicated as exc:
             if self.cfg.replica_ack_policy == "degrade":
                 self._degrade(exc)
-                self._mark(keys=[keys.result_key(self.queue, job_id)])
+                run_script(self._mark, keys=[keys.result_key(self.queue, job_id)], args=[])
                 self.unreplicated(job_id)
                 return False
             self._hold(job_id, exc)

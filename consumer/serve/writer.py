@@ -220,9 +220,9 @@ class ResultWriter:
                 redis.exceptions.OutOfMemoryError,
                 TransientStorageError,
                 NotReplicated,
-                # The server that answered does not hold the script redis-py just loaded: a
-                # failover or restart between the load and the call (sentinel clients may
-                # reach old and new primary for a moment). The write is idempotent: again.
+                # NOSCRIPT after `run_script`'s own quick retries: a failover still under way
+                # (sentinel clients may reach old and new primary for a moment). The script
+                # did not run and the write is idempotent: again, with this loop's backoff.
                 redis.exceptions.NoScriptError,
             ) as exc:
                 # Transient by policy: Redis restarting or full (noeviction: it refuses writes

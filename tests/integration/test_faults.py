@@ -298,6 +298,68 @@ def test_a_transaction_meeting_an_empty_script_cache_runs_again(r: redis.Redis) 
             await client.aclose()
 
     assert asyncio.run(go()) == [2] and len(aio_calls) == 2
+
+
+def test_a_script_call_meeting_noscript_is_made_again(r: redis.Redis) -> None:
+    """`run_script` / `run_script_async`: NOSCRIPT that outlives redis-py's one reload (in a
+    failover its SCRIPT LOAD and EVALSHA can reach different servers; here the real server's
+    script cache is flushed before each EVALSHA) is met by calling again, and the script runs
+    once. After `_SCRIPT_ATTEMPTS` calls the NoScriptError is raised and nothing ran."""
+    import asyncio
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from shared.redis_client import _SCRIPT_ATTEMPTS, run_script, run_script_async
+
+    text = "return redis.call('INCR', KEYS[1])"
+    url = "redis://{host}:{port}/0".format(**r.connection_pool.connection_kwargs)
+    per_call = 2  # redis-py's EVALSHA, then (after its SCRIPT LOAD) EVALSHA once more
+
+    class Forgets(redis.Redis):
+        forget = 0
+
+        def evalsha(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+            if self.forget > 0:
+                self.forget -= 1
+                self.script_flush()
+            return super().evalsha(*args, **kwargs)
+
+    client = Forgets.from_url(url)
+    script = client.register_script(text)
+    key = f"noscript-{uuid.uuid4().hex}"
+    client.forget = per_call * 2  # two calls fail whole, the third runs
+    assert run_script(script, keys=[key], args=[]) == 1 and client.forget == 0
+    client.forget = per_call * _SCRIPT_ATTEMPTS
+    with pytest.raises(redis.exceptions.NoScriptError):
+        run_script(script, keys=[key], args=[])
+    assert client.forget == 0 and int(r.get(key)) == 1, "the failed calls ran nothing"
+
+    class ForgetsAsync(AsyncRedis):
+        forget = 0
+
+        async def evalsha(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+            if self.forget > 0:
+                self.forget -= 1
+                await self.script_flush()
+            return await super().evalsha(*args, **kwargs)
+
+    async def go() -> tuple[int, type[BaseException] | None]:
+        aclient = ForgetsAsync.from_url(url)
+        try:
+            ascript = aclient.register_script(text)
+            aclient.forget = per_call * 2
+            value = await run_script_async(ascript, keys=[key], args=[])
+            aclient.forget = per_call * _SCRIPT_ATTEMPTS
+            try:
+                await run_script_async(ascript, keys=[key], args=[])
+            except redis.exceptions.NoScriptError as exc:
+                return value, type(exc)
+            return value, None
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(go()) == (2, redis.exceptions.NoScriptError)
+    assert int(r.get(key)) == 2
     assert int(r.get(key)) == 2
 
 
