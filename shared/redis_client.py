@@ -173,7 +173,8 @@ def connect(cfg: RedisSettings) -> redis.Redis:
     )
 
 
-# How often a script call meets NOSCRIPT before the error is raised, and the first pause.
+# Calls a script gets while the server answers NOSCRIPT (the last error is raised), and the
+# pause before the second (doubled each time: 0.35 s in all).
 _SCRIPT_ATTEMPTS = 4
 _SCRIPT_RETRY_S = 0.05
 
