@@ -5,7 +5,8 @@ numeric references `tests/reference.py`'s, the tracing consumer stand-in
 
 Here: the repository root; waiting for consumers; fast-failing consumer settings, queues on a
 cluster's shards, job sets and the exactly-once check of the fault tests; request mixes; CLI
-error lines; head calls from flat keyword arguments.
+error lines; head calls from flat keyword arguments; a client that makes the server forget its
+scripts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 
 from producer import TeacherClient, TeacherRequest
 from shared import keys
@@ -218,3 +220,18 @@ def chunked(*, hidden_TH: Any, weight_VH: Any, deferred: bool = False, **call: A
     return tp_ops.chunked_head(
         hidden_TH=hidden_TH, weight_VH=weight_VH, call=tp_ops.HeadCall(**call), deferred=deferred
     )
+
+
+class ForgetsScripts(redis.Redis):
+    """A client of the real server that makes the server forget its scripts (SCRIPT FLUSH)
+    just before each of its next `forget` EVALSHA calls: what a caller meets when a failover
+    or a restart falls between redis-py's SCRIPT LOAD and its EVALSHA (a sentinel client can
+    reach the old and the new primary for a moment)."""
+
+    forget = 0
+
+    def evalsha(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        if self.forget > 0:
+            self.forget -= 1
+            self.script_flush()
+        return super().evalsha(*args, **kwargs)

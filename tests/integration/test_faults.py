@@ -25,7 +25,7 @@ import redis
 from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
-from tests.helpers import REPO, K, assert_exactly_once, fast, job_set
+from tests.helpers import REPO, ForgetsScripts, K, assert_exactly_once, fast, job_set
 from tests.processes import Valkey, terminate
 from tests.timing import scaled, wait_until
 
@@ -315,16 +315,7 @@ def test_a_script_call_meeting_noscript_is_made_again(r: redis.Redis) -> None:
     url = "redis://{host}:{port}/0".format(**r.connection_pool.connection_kwargs)
     per_call = 2  # redis-py's EVALSHA, then (after its SCRIPT LOAD) EVALSHA once more
 
-    class Forgets(redis.Redis):
-        forget = 0
-
-        def evalsha(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-            if self.forget > 0:
-                self.forget -= 1
-                self.script_flush()
-            return super().evalsha(*args, **kwargs)
-
-    client = Forgets.from_url(url)
+    client = ForgetsScripts.from_url(url)
     script = client.register_script(text)
     key = f"noscript-{uuid.uuid4().hex}"
     client.forget = per_call * 2  # two calls fail whole, the third runs

@@ -20,25 +20,10 @@ from shared.messages import TeacherResult
 from shared.redis_client import _SCRIPT_ATTEMPTS
 from shared.storage import ObjectStore
 from shared.streams import Streams
-from tests.helpers import job_set
+from tests.helpers import ForgetsScripts, job_set
 from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-class _ForgetsScripts(redis.Redis):
-    """A client of the real server that makes the server forget its scripts (SCRIPT FLUSH)
-    just before each of its first `forget` EVALSHA calls: what a consumer meets when a
-    failover or a restart falls between redis-py's SCRIPT LOAD and its EVALSHA (a sentinel
-    client can reach the old and the new primary for a moment)."""
-
-    forget = 0
-
-    def evalsha(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-        if self.forget > 0:
-            self.forget -= 1
-            self.script_flush()
-        return super().evalsha(*args, **kwargs)
 
 
 def _writer(client: redis.Redis, settings) -> ResultWriter:  # type: ignore[no-untyped-def]
@@ -73,7 +58,7 @@ def test_a_write_whose_script_the_server_lost_is_retried_until_stored(redis_url,
     """The server forgets the completion script between redis-py's load and its call more
     often than `run_script` calls again (a failover that lasts): the writer retries the write
     with its backoff, the record is stored and the entry acknowledged."""
-    client = _ForgetsScripts.from_url(redis_url)
+    client = ForgetsScripts.from_url(redis_url)
     writer = _writer(client, settings)
     task = _claimed_task(writer, "j-noscript")
     # Two EVALSHA per call (redis-py reloads once): one more call than run_script makes.
