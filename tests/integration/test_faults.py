@@ -298,6 +298,7 @@ def test_a_transaction_meeting_an_empty_script_cache_runs_again(r: redis.Redis) 
             await client.aclose()
 
     assert asyncio.run(go()) == [2] and len(aio_calls) == 2
+    assert int(r.get(key)) == 2
 
 
 def test_a_script_call_meeting_noscript_is_made_again(r: redis.Redis) -> None:
@@ -350,7 +351,6 @@ def test_a_script_call_meeting_noscript_is_made_again(r: redis.Redis) -> None:
             await aclient.aclose()
 
     assert asyncio.run(go()) == (2, redis.exceptions.NoScriptError)
-    assert int(r.get(key)) == 2
     assert int(r.get(key)) == 2
 
 
