@@ -3,15 +3,15 @@
 
 Each part is built here from the settings and the parts before it: the claimer, the heartbeat,
 the result writer, the memory watch, the metrics, the dead letters, the intake, the batch
-runner, the control channel and the janitor. Each can be built on its own (tests/unit/
-test_leader_parts.py); `build_leader` is the one place that knows how they connect.
+runner, the control channel and the janitor, handed over in one `LeaderParts`
+(consumer/serve/parts.py). Each can be built on its own (tests/unit/test_leader_parts.py);
+`build_leader` is the one place that knows how they connect.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 
@@ -26,6 +26,7 @@ from consumer.serve.intake import Intake
 from consumer.serve.leader import Leader
 from consumer.serve.liveness import consumer_name
 from consumer.serve.metrics import ConsumerMetrics
+from consumer.serve.parts import LeaderParts
 from consumer.serve.pressure import MemoryWatch
 from consumer.serve.replica import Counters, LoadedModel
 from consumer.serve.retention import Janitor
@@ -36,30 +37,6 @@ from shared.messages import Limits
 from shared.settings import Settings
 from shared.storage import ObjectStore
 from shared.streams import Streams
-
-
-@dataclass
-class LeaderParts:
-    """Everything a `Leader` runs, built and connected by `build_leader`."""
-
-    settings: Settings
-    client: redis.Redis
-    stop: StopFlag
-    faults: FaultInjector
-    name: str
-    streams: Streams
-    loaded: LoadedModel
-    counters: Counters
-    claimer: Claimer
-    heartbeat: Heartbeat
-    writer: ResultWriter
-    memory: MemoryWatch
-    metrics: ConsumerMetrics
-    dead_letters: DeadLetters
-    intake: Intake
-    runner: BatchRunner
-    control: Control
-    janitor: Janitor
 
 
 def build_writer(

@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import redis
 import structlog
@@ -33,6 +32,7 @@ import structlog
 from consumer.forward.peers import ReplicaBroken
 from consumer.forward.prefix import plan_shared_microbatches
 from consumer.group.batching import broadcast_batch
+from consumer.serve.parts import LeaderParts
 from consumer.serve.prefetch import Prefetcher
 from consumer.serve.preflight import check_redis
 from consumer.serve.writer import WriteTask
@@ -40,9 +40,6 @@ from shared import weights
 from shared.queue_metrics import QueueCollector
 from shared.streams import Entry
 from shared.tracing import new_id, now
-
-if TYPE_CHECKING:
-    from consumer.serve.assemble import LeaderParts
 
 log = structlog.get_logger("teacherq.consumer")
 
