@@ -2,8 +2,8 @@
 bare forward vs teacherq.
 
 Random-init models of the Qwen2.5-1.5B and Qwen2.5-7B shapes (and of Qwen3-8B, of Qwen3-30B-A3B,
-a mixture of experts: `--models 30b-a3b`, and cuts of DeepSeek-V3 and GLM-4.5-Air from
-bench/gpu_moe.py: `deepseek-v3`, `deepseek-v3-7l`, `glm-4.5-air`) in bf16; `--e2e-variants
+a mixture of experts: `--models 30b-a3b`, and cuts of DeepSeek-V3 and GLM-4.5-Air, the shapes
+of bench/gpu_moe.py: `deepseek-v3`, `deepseek-v3-7l`, `glm-4.5-air`) in bf16; `--e2e-variants
 fp8=1` serves the same windows again with the linears block-quantized to FP8. Each workload is a
 stream of documents whose lengths are drawn anew for every pass, so no batch layout repeats (as
 in RL rollouts and distillation sets):
@@ -82,8 +82,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PEAK_FLOPS = 790e12
-TOP_K, SAMPLES = 64, 8
+from bench.gpu_common import (  # noqa: E402 - the repository is on the path from here
+    PEAK_FLOPS,
+    SAMPLES,
+    TOP_K,
+    active_flops,
+    padded_batches,
+    padded_tensors,
+    shape,
+)
 
 _QWEN2 = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -200,12 +207,10 @@ MODELS = {
 
 
 def _frontier(name: str, *, tiny: bool = False, layers: int | None = None) -> dict:
-    """A DeepSeek-V3 or GLM-4.5-Air shape from bench/gpu_moe.py, cut to `layers` (default:
-    its depth there, 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a few MB of the same
-    build)."""
-    from bench import gpu_moe
-
-    cfg = gpu_moe.shape(argparse.Namespace(shape=name, tiny=tiny, layers=layers))
+    """A DeepSeek-V3 or GLM-4.5-Air shape of bench/gpu_moe.py (bench/gpu_common.py), cut to
+    `layers` (default: its depth there, 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a
+    few MB of the same build)."""
+    cfg = shape(name, tiny=tiny, layers=layers)
     cfg["architectures"] = [
         {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
             cfg["model_type"]
@@ -217,7 +222,7 @@ def _frontier(name: str, *, tiny: bool = False, layers: int | None = None) -> di
     return cfg
 
 
-FRONTIER = {  # added to MODELS by main() (bench/gpu_moe.py imports this module)
+FRONTIER = {  # added to MODELS by main(): building them needs transformers
     "deepseek-v3": {"name": "deepseek-v3"},
     "glm-4.5-air": {"name": "glm-4.5-air"},
     # 3 dense + 4 sparse layers (~95 GB bf16): the sparse layers' share closer to the model's
@@ -291,10 +296,8 @@ def docs_of(calls: list[list]) -> list:
 def forward_flops(cfg: dict, lengths: list[int], *, with_head: bool) -> float:
     """FLOPs of prefill forwards over documents of these lengths (see the module doc)."""
     if "n_routed_experts" in cfg:  # DeepSeek-V3 / GLM-4.5: MLA, shared experts, dense layers
-        from bench import gpu_moe
-
         head = 2.0 * cfg["vocab_size"] * cfg["hidden_size"] * sum(lengths)
-        return gpu_moe.active_flops(model_spec(cfg), lengths) - (0.0 if with_head else head)
+        return active_flops(model_spec(cfg), lengths) - (0.0 if with_head else head)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or h // heads
@@ -309,19 +312,6 @@ def forward_flops(cfg: dict, lengths: list[int], *, with_head: bool) -> float:
     n_mm = layers * per_layer + (cfg["vocab_size"] * h if with_head else 0)
     attention = sum(layers * 2 * s**2 * heads * hd for s in lengths)
     return 2.0 * n_mm * sum(lengths) + attention
-
-
-def padded_batches(docs: list, budget: int) -> list[list]:
-    """HF's batches: documents sorted by length, as many per batch as fit `budget` tokens
-    with every row padded to the batch's longest (a longer document alone)."""
-    order = sorted(docs, key=len)
-    batches: list[list] = []
-    for d in order:
-        if batches and (len(batches[-1]) + 1) * len(d) <= budget:
-            batches[-1].append(d)
-        else:
-            batches.append([d])
-    return batches
 
 
 def _gib(n: float | None) -> float | None:
@@ -375,19 +365,6 @@ def _versions() -> dict:
 # --------------------------------------------------------------------------------------------
 # (a) and (b): Hugging Face, in its own process
 # --------------------------------------------------------------------------------------------
-
-
-def padded_tensors(batch: list, device):
-    """HF's input for one padded batch: (ids, attention mask) [B, longest], right-padded."""
-    import torch
-
-    width = max(len(d) for d in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, d in enumerate(batch):
-        ids[i, : len(d)] = torch.as_tensor(d)
-        mask[i, : len(d)] = 1
-    return ids.to(device), mask.to(device)
 
 
 def hf_child(args: argparse.Namespace) -> None:
