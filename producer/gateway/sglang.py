@@ -31,30 +31,21 @@ from aiohttp import web
 
 from producer.gateway.common import (
     HttpError,
+    error_body,
     gc_paused,
     input_temperature,
     int_field,
+    json_response,
     positive,
     token_ids,
 )
-from producer.gateway.server import Gateway, new_job_id
+from producer.gateway.core import Core, new_job_id
 from shared.errors import InvalidJob
 from shared.messages import TeacherRequest, TeacherResult, parse_request
 
 
-def is_sglang(payload: dict[str, Any]) -> bool:
-    """Whether a `/generate` payload is SGLang's: it carries `return_logprob`, or
-    `sampling_params` without any field only slime's server reads (slime ignores
-    `sampling_params`, so its callers may send one)."""
-    from producer.gateway.slime import SLIME_ONLY
-
-    if "return_logprob" in payload:
-        return True
-    return "sampling_params" in payload and not any(k in payload for k in SLIME_ONLY)
-
-
-def add_routes(app: web.Application, gw: Gateway) -> None:
-    """SGLang's health and model-info routes (`/generate` is routed by the server)."""
+def routes(gw: Core) -> list[web.RouteDef]:
+    """SGLang's health and model-info routes (`/generate`, shared with slime: generate.py)."""
 
     async def health_generate(_request: web.Request) -> web.StreamResponse:
         problem = await gw.redis_ok()
@@ -80,23 +71,23 @@ def add_routes(app: web.Application, gw: Gateway) -> None:
             }
         )
 
-    app.router.add_get("/health_generate", gw.route("sglang", health_generate))
-    app.router.add_get("/get_model_info", gw.route("sglang", model_info))
+    return [
+        web.get("/health_generate", gw.route("sglang", health_generate)),
+        web.get("/get_model_info", gw.route("sglang", model_info)),
+    ]
 
 
-async def generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) -> web.Response:
+async def generate(gw: Core, request: web.Request, payload: dict[str, Any]) -> web.Response:
     """Answer one SGLang `/generate` request (one or a batch of `input_ids`)."""
     try:
         return await _generate(gw, request, payload)
     except HttpError as exc:  # errors in SGLang's shape, whoever raised them
-        from producer.gateway.common import error_body, json_response
-
         return json_response(
             error_body("sglang", exc.status, exc.message, exc.extra), status=exc.status
         )
 
 
-async def _generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) -> web.Response:
+async def _generate(gw: Core, request: web.Request, payload: dict[str, Any]) -> web.Response:
     if payload.get("text") is not None or payload.get("input_ids") is None:
         raise HttpError(
             400, "send input_ids (token ids): teacherq has no tokenizer, so text is not accepted"

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from producer.gateway.common import HttpError, positive
-from producer.gateway.server import Gateway, new_job_id
+from producer.gateway.core import Core, new_job_id
 from shared import weights
 from shared.errors import InvalidCheckpoint, InvalidJob, WeightUpdateFailed
 from shared.messages import OPTION_FIELDS, TeacherRequest, TeacherResult, parse_request
@@ -24,11 +24,10 @@ from shared.messages import OPTION_FIELDS, TeacherRequest, TeacherResult, parse_
 # teacherq's own /generate fields, accepted beside slime's: every request option (sample_n is
 # slime's too, coerced its way below), the job id and metadata.
 OWN_FIELDS = (*(f for f in OPTION_FIELDS if f != "sample_n"), "job_id", "metadata")
-SLIME_ONLY = ("sample_n", "label_token_ids")  # fields only slime's server reads
 
 
-def add_routes(app: web.Application, gw: Gateway) -> None:
-    """slime's routes besides `/generate` (which the server shares with SGLang's dialect)."""
+def routes(gw: Core) -> list[web.RouteDef]:
+    """slime's routes besides `/generate` (shared with SGLang's dialect: generate.py)."""
 
     async def update(request: web.Request) -> web.StreamResponse:
         return web.json_response(await update_weights(gw, await gw.body(request, empty_ok=True)))
@@ -45,16 +44,18 @@ def add_routes(app: web.Application, gw: Gateway) -> None:
     async def info(_request: web.Request) -> web.StreamResponse:
         return web.json_response(await get_info(gw))
 
-    app.router.add_post("/update_weights_from_disk", gw.route("slime", update))
-    app.router.add_get("/get_loads", gw.route("slime", loads))
-    app.router.add_get("/healthz", gw.route("slime", healthz))
-    app.router.add_get("/info", gw.route("slime", info))
+    return [
+        web.post("/update_weights_from_disk", gw.route("slime", update)),
+        web.get("/get_loads", gw.route("slime", loads)),
+        web.get("/healthz", gw.route("slime", healthz)),
+        web.get("/info", gw.route("slime", info)),
+    ]
 
 
 # -- /generate ----------------------------------------------------------------------------------
 
 
-async def generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) -> web.Response:
+async def generate(gw: Core, request: web.Request, payload: dict[str, Any]) -> web.Response:
     """One job for a slime `/generate` payload; slime's response fields (L-1 rows)."""
     req, own_id, width = await _request(gw, payload)
     [res] = await gw.score(
@@ -70,7 +71,7 @@ async def generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) -
     return gw.respond(request, out)
 
 
-async def _request(gw: Gateway, payload: dict[str, Any]) -> tuple[TeacherRequest, bool, int]:
+async def _request(gw: Core, payload: dict[str, Any]) -> tuple[TeacherRequest, bool, int]:
     """The queue request for a payload, whether the caller named the job id, and the label
     width (-1: no labels)."""
     if "input_ids" not in payload:
@@ -177,7 +178,7 @@ def _response(job_id: str, res: TeacherResult, rows: int) -> dict[str, Any]:
 # -- /update_weights_from_disk ------------------------------------------------------------------
 
 
-async def update_weights(gw: Gateway, payload: dict[str, Any]) -> dict[str, Any]:
+async def update_weights(gw: Core, payload: dict[str, Any]) -> dict[str, Any]:
     """slime's semantics on the queue's weight-update path: a path every consumer already
     serves is skipped, the same path in progress coalesces, another path in progress is
     refused (409). "Already serves": the last update, to that path, is done (every live
@@ -224,7 +225,7 @@ async def update_weights(gw: Gateway, payload: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def join_update(gw: Gateway, running: weights.Served, timeout: float) -> weights.UpdateRequest:
+def join_update(gw: Core, running: weights.Served, timeout: float) -> weights.UpdateRequest:
     """Wait for the `running` update's generation (raising as `update_weights` does)."""
     weights.wait_done(gw.client.r, gw.client.queue, running.generation, timeout_s=timeout)
     return weights.UpdateRequest(
@@ -235,7 +236,7 @@ def join_update(gw: Gateway, running: weights.Served, timeout: float) -> weights
 # -- GET endpoints ------------------------------------------------------------------------------
 
 
-async def get_loads(gw: Gateway) -> dict[str, Any]:
+async def get_loads(gw: Core) -> dict[str, Any]:
     """slime's load figures, from the queue's status snapshot (plus teacherq's own)."""
     snap = await asyncio.to_thread(gw.client.status)
     alive = {n: c for n, c in snap["consumers"].items() if c["alive"]}
@@ -262,7 +263,7 @@ async def get_loads(gw: Gateway) -> dict[str, Any]:
     }
 
 
-async def get_info(gw: Gateway) -> dict[str, Any]:
+async def get_info(gw: Core) -> dict[str, Any]:
     """What is served (by the consumers, not the gateway's own settings) and how the gateway
     is set (no secrets)."""
     from importlib.metadata import PackageNotFoundError, version

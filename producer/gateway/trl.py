@@ -31,12 +31,12 @@ from producer.gateway.common import (
     positive,
     token_ids,
 )
-from producer.gateway.server import Gateway, new_job_id
+from producer.gateway.core import Core, new_job_id
 from shared.errors import InvalidJob
 from shared.messages import TeacherRequest, TeacherResult, parse_request
 
 
-def add_routes(app: web.Application, gw: Gateway) -> None:
+def routes(gw: Core) -> list[web.RouteDef]:
     """TRL's routes."""
 
     async def sequence_logprobs(request: web.Request) -> web.StreamResponse:
@@ -48,12 +48,14 @@ def add_routes(app: web.Application, gw: Gateway) -> None:
             raise HttpError(503, problem)
         return web.json_response({"status": "ok"})
 
-    app.router.add_post("/get_sequence_logprobs/", gw.route("trl", sequence_logprobs))
-    app.router.add_get("/health/", gw.route("trl", health))
+    return [
+        web.post("/get_sequence_logprobs/", gw.route("trl", sequence_logprobs)),
+        web.get("/health/", gw.route("trl", health)),
+    ]
 
 
 async def _sequence_logprobs(
-    gw: Gateway, request: web.Request, payload: dict[str, Any]
+    gw: Core, request: web.Request, payload: dict[str, Any]
 ) -> web.Response:
     seqs = payload.get("sequences")
     lengths = payload.get("prompt_lengths")

@@ -34,14 +34,14 @@ from producer.gateway.common import (
     positive,
     token_ids,
 )
-from producer.gateway.server import Gateway, new_job_id
+from producer.gateway.core import Core, new_job_id
 from shared.errors import InvalidJob
 from shared.messages import TeacherRequest, TeacherResult, parse_request
 
 NEG_INF = -9999.0  # what vLLM writes for -inf
 
 
-def add_routes(app: web.Application, gw: Gateway) -> None:
+def routes(gw: Core) -> list[web.RouteDef]:
     """vLLM's routes."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -75,13 +75,15 @@ def add_routes(app: web.Application, gw: Gateway) -> None:
             raise HttpError(503, problem)
         return web.Response(status=200)
 
-    app.router.add_post("/v1/completions", gw.route("openai", completions))
-    app.router.add_post("/inference/v1/generate", gw.route("openai", generate))
-    app.router.add_get("/v1/models", gw.route("openai", models))
-    app.router.add_get("/health", gw.route("openai", health))
+    return [
+        web.post("/v1/completions", gw.route("openai", completions)),
+        web.post("/inference/v1/generate", gw.route("openai", generate)),
+        web.get("/v1/models", gw.route("openai", models)),
+        web.get("/health", gw.route("openai", health)),
+    ]
 
 
-async def model_name(gw: Gateway) -> str:
+async def model_name(gw: Core) -> str:
     """The served model's name: the consumers' checkpoint path, else their model version,
     else the queue's name (any name is accepted in requests)."""
     path = await gw.served_path()
@@ -164,7 +166,7 @@ def _scoring_only(value: Any, name: str) -> None:
         )
 
 
-async def _completions(gw: Gateway, request: web.Request, payload: dict[str, Any]) -> web.Response:
+async def _completions(gw: Core, request: web.Request, payload: dict[str, Any]) -> web.Response:
     prompts = _prompts(payload)
     _scoring_only(payload.get("max_tokens"), "max_tokens")
     if int_field(payload.get("n"), "n", default=1, low=1) != 1:
@@ -233,7 +235,7 @@ def _choice(
     return choice
 
 
-async def _generate(gw: Gateway, request: web.Request, payload: dict[str, Any]) -> web.Response:
+async def _generate(gw: Core, request: web.Request, payload: dict[str, Any]) -> web.Response:
     ids = token_ids(payload.get("token_ids"), "token_ids")
     params = payload.get("sampling_params") or {}
     if not isinstance(params, dict):
