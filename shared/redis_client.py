@@ -128,6 +128,22 @@ FAILOVER_PATIENCE = Retry(
     supported_errors=(redis.ConnectionError, redis.TimeoutError, ClusterDownError),
 )
 
+# What a command sent straight to one cluster node (past RedisCluster's own redirect handling)
+# meets while a failover settles: the node is gone, the shard has no primary yet, or the node
+# is back as a replica of the promoted one and answers MOVED (AskError is MOVED's base class;
+# TRYAGAIN comes during a slot migration). Each means: read the slot map again and resend.
+NODE_FAILOVER_PATIENCE = Retry(
+    ExponentialBackoff(cap=2.0, base=0.1),
+    retries=FAILOVER_PATIENCE.get_retries(),
+    supported_errors=(
+        redis.ConnectionError,
+        redis.TimeoutError,
+        ClusterDownError,
+        redis.exceptions.AskError,
+        redis.exceptions.TryAgainError,
+    ),
+)
+
 
 class PatientCluster(RedisCluster):
     """A cluster client that rides out a failover. redis-py's RedisCluster resends a command
@@ -296,7 +312,7 @@ def await_replicas(client: redis.Redis, queue: str, cfg: RedisSettings) -> None:
             with contextlib.suppress(redis.RedisError):
                 client.nodes_manager.initialize()
 
-    acked = FAILOVER_PATIENCE.call_with_retry(mark_and_wait, refresh)
+    acked = NODE_FAILOVER_PATIENCE.call_with_retry(mark_and_wait, refresh)
     if acked < n:
         raise NotReplicated(
             f"queue {queue}: a write reached {acked} of TEACHERQ_REDIS__MIN_REPLICAS_ACKED={n} "

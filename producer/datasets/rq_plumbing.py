@@ -3,6 +3,7 @@ the failure callback, and the worker that runs them."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import uuid
@@ -132,9 +133,18 @@ class DatasetWorker(Worker):
         """rq registers the worker before it installs its SIGTERM/SIGINT handlers (after
         starting its scheduler): a stop in between killed the worker still registered. Until
         rq's handlers take over, a stop is recorded and the loop leaves at its first check,
-        deregistering as a warm shutdown does."""
+        deregistering as a warm shutdown does.
+
+        The scheduler process is forked in that window and inherits this handler until it
+        installs its own. A stop it receives there (the worker stopping it on the way out) is
+        the scheduler's: recorded on the worker's copy, it was lost, the scheduler ran on and
+        the worker waited for it forever."""
+        worker_pid = os.getpid()
 
         def stop_early(signum: int, frame: object) -> None:
+            if os.getpid() != worker_pid and self.scheduler is not None:
+                self.scheduler.request_stop()  # we are the forked scheduler
+                return
             self._stop_requested = True
 
         signal.signal(signal.SIGTERM, stop_early)

@@ -20,7 +20,7 @@ import redis
 from producer import TeacherClient
 from shared import keys
 from shared.queue_metrics import queue_figures
-from shared.redis_client import connect, connect_async
+from shared.redis_client import await_replicas, connect, connect_async
 from shared.settings import Settings
 from tests.helpers import (
     assert_exactly_once,
@@ -29,7 +29,7 @@ from tests.helpers import (
     job_set,
     queues_on_distinct_shards,
 )
-from tests.processes import ValkeyCluster, ValkeySentinel, stop_all
+from tests.processes import Valkey, ValkeyCluster, ValkeySentinel, stop_all
 from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,6 @@ def test_queue_keys_scripts_and_transactions_stay_on_one_shard(cluster, tmp_path
 def test_min_replicas_acked_refuses_when_no_replica_holds_the_write(tmp_path) -> None:
     """WAIT is real: a standalone server without replicas cannot acknowledge a submit that
     asks for one replica; the error names the setting."""
-    from tests.processes import Valkey
 
     server = Valkey(tmp_path)
     try:
@@ -112,17 +111,60 @@ def test_primary_killed_mid_run_loses_nothing(cluster, start_consumer, tmp_path)
     # Submitting goes on across the failover: redis-py retries while no primary serves the
     # slot, and WAIT holds the submit until the replaced primary is back as a replica.
     late: list[list[str]] = []
-    submitter = threading.Thread(target=lambda: late.append(clients[0].submit(job_set(6, 3))))
+    failed: list[BaseException] = []
+
+    def submit_late() -> None:
+        try:
+            late.append(clients[0].submit(job_set(6, 3)))
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below, with its type
+            failed.append(exc)
+
+    submitter = threading.Thread(target=submit_late)
     victim.kill()
     submitter.start()
     _until(lambda: cluster.primary_of(keys.jobs_stream(names[0])).port != victim.port)
     victim.restart()  # rejoins as a replica of the promoted one: writes can be acked again
     cluster.wait_ok()
     submitter.join(timeout=scaled(120))
+    assert not failed, f"a submit across the failover raised {failed[0]!r}"
     assert late, "a submit across the failover did not return"
     for client, ids in zip(clients, [first[0] + late[0], first[1]], strict=True):
         client.wait(ids, timeout=scaled(180))
         assert_exactly_once(client, ids)
+
+
+def _replica_of(cluster: ValkeyCluster, primary: Valkey) -> Valkey:
+    for node in cluster.nodes:
+        info = cluster.client(node).info("replication")
+        if info["role"] == "slave" and int(info["master_port"]) == primary.port:
+            return node
+    raise LookupError(f"no replica of {primary.port}")
+
+
+def test_replica_wait_follows_a_primary_that_changed_under_a_cached_slot_map(
+    cluster, tmp_path
+) -> None:
+    """The replica wait (`await_replicas`: a mark and WAIT sent straight to the queue's
+    primary) from a client whose slot map predates a failover: the old primary, back as a
+    replica, answers the mark with MOVED. The wait reads the slot map again and reaches the new
+    primary. (It raised MovedError: a consumer stopped with its result unstored and a submit
+    across a failover failed.) The failover is a real one (CLUSTER FAILOVER on the replica)."""
+    [q] = queues_on_distinct_shards(1, "moved")
+    s = cluster_settings(cluster.url, q, tmp_path)
+    r = connect(s.redis)
+    await_replicas(r, q, s.redis)  # the client now holds the slot map, and a connection
+    old = cluster.primary_of(keys.jobs_stream(q))
+    new = _replica_of(cluster, old)
+    cluster.client(new).execute_command("CLUSTER FAILOVER")
+    _until(lambda: cluster.primary_of(keys.jobs_stream(q)).port == new.port)
+    cluster.wait_replicas(1)  # the old primary is a replica in sync with the new one
+    await_replicas(r, q, s.redis)
+    # The mark the wait wrote is on the new primary: the call reached it.
+    mark = redis.Redis(port=new.port).get(keys.replication_mark_key(q))
+    assert mark is not None and float(mark) > time.time() - scaled(60)
+    # A submit from a client that also predates the failover goes through.
+    client = TeacherClient(s)
+    assert len(client.submit(job_set(2, seed=7))) == 2
 
 
 @pytest.mark.slow
@@ -253,7 +295,6 @@ def test_preflight_where_config_is_refused_starts_and_says_what_is_unchecked(tmp
     from structlog.testing import capture_logs
 
     from consumer.serve.preflight import check_redis
-    from tests.processes import Valkey
 
     server = Valkey(tmp_path, "--rename-command", "CONFIG", "")
     try:

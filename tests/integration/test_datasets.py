@@ -614,3 +614,91 @@ def test_a_worker_stopped_while_starting_leaves_deregistered(redis_url: str) -> 
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     conn = redis.Redis.from_url(redis_url)
     assert name not in [w.name for w in Worker.all(connection=conn)], "left registered"
+
+
+# The same stop with rq's scheduler: it is forked inside the start-up window, so it inherits
+# the worker's early-stop handler, and the worker stops it on its way out. The scheduler here
+# waits until that SIGTERM has reached it before it starts (it says when it is ready, and the
+# worker sends the signal only then): the race a loaded machine loses now and then, every time.
+_SCHEDULER_STOPPED_WHILE_STARTING = """
+import os, pathlib, signal, sys, time
+import redis
+import rq.scheduler
+from rq import Queue
+from rq.serializers import JSONSerializer
+from producer.datasets.rq_plumbing import DatasetWorker
+
+ready = pathlib.Path(sys.argv[4])
+run_scheduler = rq.scheduler.run
+
+
+def run_after_the_stop(scheduler):
+    inherited = signal.getsignal(signal.SIGTERM)
+    got = []
+
+    def seen(signum, frame):
+        got.append(signum)
+        inherited(signum, frame)
+
+    signal.signal(signal.SIGTERM, seen)
+    ready.touch()
+    deadline = time.monotonic() + float(sys.argv[5])
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run_scheduler(scheduler)
+
+
+rq.scheduler.run = run_after_the_stop
+
+
+class SignalledWhileStarting(DatasetWorker):
+    def register_birth(self, *args, **kwargs):
+        super().register_birth(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_scheduler(self):
+        deadline = time.monotonic() + float(sys.argv[5])
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        super().stop_scheduler()
+
+
+conn = redis.Redis.from_url(sys.argv[1])
+queue = Queue(sys.argv[2], connection=conn, serializer=JSONSerializer)
+worker = SignalledWhileStarting(
+    [queue], connection=conn, serializer=JSONSerializer, name=sys.argv[3]
+)
+worker.work(logging_level="WARNING", with_scheduler=True)
+"""
+
+
+def test_a_worker_stopped_while_starting_stops_its_scheduler_too(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A stop in the start-up window with rq's scheduler (as `teacherq worker` runs it): the
+    scheduler, forked with the worker's early-stop handler, gets the worker's SIGTERM before it
+    installs its own handlers; it stops, and the worker exits 0, deregistered. (The signal was
+    recorded on the worker's copy in the scheduler process: the scheduler ran on and the worker
+    waited for it forever, as `teacherq worker` did on SIGTERM under load.)"""
+    from rq import Worker
+
+    name = f"early-stop-sched-{os.getpid()}-{time.monotonic_ns()}"
+    wait_s = str(scaled(20))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SCHEDULER_STOPPED_WHILE_STARTING, redis_url, f"{name}-queue"]
+        + [name, str(tmp_path / "scheduler-ready"), wait_s],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the worker and its scheduler, killed together if stuck
+    )
+    try:
+        out, _ = proc.communicate(timeout=scaled(60))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the worker did not exit: it waits for a scheduler that ignored its stop")
+    assert proc.returncode == 0, out.decode()[-2000:]
+    conn = redis.Redis.from_url(redis_url)
+    assert name not in [w.name for w in Worker.all(connection=conn)], "left registered"
