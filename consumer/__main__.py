@@ -32,11 +32,14 @@ def main() -> int:
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=rank)
     route_library_logs(level=settings.log.level)  # megatron's notices: debug lines
     from consumer.serve import compile_cache
+    from consumer.serve.precompile import Precompile
 
     # Before torch is imported: Triton and inductor read these when they first compile.
-    caches = compile_cache.apply(
+    cache = compile_cache.apply(
         settings.consumer.compile_cache_dir, settings.redis.home, os.environ
     )
+    # The warm-up's kernels compile in other processes while this one imports and loads.
+    precompile = Precompile.start(settings, os.environ)
     # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from consumer.serve.preflight import UnsafeRedis, preflight
@@ -48,9 +51,12 @@ def main() -> int:
             verdict = preflight(connect(settings.redis), settings)
             if verdict:
                 raise UnsafeRedis(verdict)
-        from consumer.serve.service import run
+        from consumer.serve.lazy_compile import deferred_torch_compile
 
-        return run(settings, started=started, compile_caches=caches)
+        with deferred_torch_compile():  # megatron's fusions: torch's compiler when first run
+            from consumer.serve.service import run
+
+        return run(settings, started=started, compile_cache=cache, precompile=precompile)
     except UnsafeRedis as exc:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")
@@ -59,6 +65,9 @@ def main() -> int:
         structlog.get_logger("teacherq.consumer").debug("store.failed_cause", exc_info=exc)
         sys.stderr.write(f"teacherq consumer: stopping: {exc}\n")
         return FAILED
+    finally:
+        if precompile is not None:
+            precompile.stop()
 
 
 if __name__ == "__main__":

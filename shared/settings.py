@@ -343,11 +343,26 @@ class ConsumerSettings(_Section):
     the second. 0: always eager."""
 
     compile_cache_dir: Path | None = None
-    """Where compiled kernels are kept across restarts (Triton's TRITON_CACHE_DIR and torch
-    inductor's TORCHINDUCTOR_CACHE_DIR are set under it before anything compiles), so a
-    restarted consumer loads them instead of compiling again. Unset: `<redis.home>/compile-cache`,
-    unless TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR are set already. In a container, point it
-    at a persistent volume."""
+    """Where compiled kernels are kept across restarts and machines: one subdirectory per
+    environment (torch, Triton, CUDA, GPU model, Python, kernel sources), holding Triton's
+    TRITON_CACHE_DIR and torch inductor's TORCHINDUCTOR_CACHE_DIR (set before anything
+    compiles) and a manifest with a checksum per file, written after the warm-up; a corrupt
+    subdirectory is set aside and rebuilt. Unset: `<redis.home>/compile-cache`, unless
+    TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR are set already (then used as they are, not
+    sealed). In a container, point it at a volume the consumers share (docs/operations.md)."""
+
+    precompile: bool = True
+    """On CUDA, compile the warm-up's Triton kernels in parallel worker processes started
+    before torch is imported, so that the warm-up finds them in the compile cache (the
+    `compile` phase of `consumer.ready`); off: the warm-up compiles them one after another."""
+
+    precompile_workers: int = Field(default=0, ge=0)
+    """Worker processes of `precompile` per rank; 0: the host's cores left by its ranks,
+    shared among them, at most 16."""
+
+    precompile_timeout_s: float = Field(default=180.0, gt=0)
+    """How long a rank waits for its precompile workers before its warm-up (the workers still
+    running are stopped; the warm-up compiles what they had not)."""
 
     warmup: Literal["auto", "full", "minimal"] = "auto"
     """Warm-up before a consumer reports ready: `full` runs every output combination the queue

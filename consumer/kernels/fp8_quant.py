@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from consumer.kernels.launch import Shaped, launch
+
 GROUP = 128
 TOKEN_ALIGN = 16  # cuBLAS's FP8 row alignment
 _BLOCK_T = 32  # tokens per program
@@ -60,18 +62,32 @@ def quantize_activations_padded(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch
     tp = -(-t // TOKEN_ALIGN) * TOKEN_ALIGN
     q = torch.empty(tp, k, dtype=torch.float8_e4m3fn, device=x_TK.device)
     s = torch.empty(k // GROUP, tp, dtype=torch.float32, device=x_TK.device)
+    _launch(x_TK, q, s, t, tp)
+    return q, s.t()
+
+
+def _launch(x_TK, q, s, t: int, tp: int, *, compile_only: bool = False) -> None:
+    k = x_TK.shape[1]
     grid = (triton.cdiv(tp, _BLOCK_T), k // GROUP)
-    _quantize_kernel[grid](
-        x_TK,
-        q,
-        s,
-        t,
-        tp,
-        k,
-        x_TK.stride(0),
+    args = (x_TK, q, s, t, tp, k, x_TK.stride(0))
+    launch(
+        _quantize_kernel,
+        grid,
+        *args,
         fp8_max=448.0,
         tiny=1e-12,
         block_t=_BLOCK_T,
         group=GROUP,
+        compile_only=compile_only,
     )
-    return q, s.t()
+
+
+def precompile(*, k: int, tokens: int, dtype: torch.dtype) -> None:
+    """Compile, without launching, the variant `quantize_activations_padded` launches on a
+    contiguous [tokens, k] input of `dtype` (the token count matters only as Triton sorts
+    integers: 1, a multiple of 16, other) (consumer/serve/precompile.py)."""
+    tp = -(-tokens // TOKEN_ALIGN) * TOKEN_ALIGN
+    x = Shaped(dtype, (tokens, k))
+    q = Shaped(torch.float8_e4m3fn, (tp, k))
+    s = Shaped(torch.float32, (k // GROUP, tp))
+    _launch(x, q, s, tokens, tp, compile_only=True)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from consumer.kernels.launch import Shaped, launch
+
 
 @triton.jit
 def _rope_kernel(
@@ -52,10 +54,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1:
         x = x.contiguous()
     out = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
+    _launch(x, cos, sin, out)
+    return out
+
+
+def _launch(x, cos, sin, out, *, compile_only: bool = False) -> None:
+    rows, heads, dim = x.shape
     half = dim // 2
     block_h = min(triton.next_power_of_2(heads), max(1, 4096 // triton.next_power_of_2(half)))
     grid = (rows, triton.cdiv(heads, block_h))
-    _rope_kernel[grid](
+    launch(
+        _rope_kernel,
+        grid,
         x,
         cos,
         sin,
@@ -66,5 +76,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         HALF=half,
         HALF_P2=triton.next_power_of_2(half),
         BLOCK_H=block_h,
+        compile_only=compile_only,
     )
-    return out
+
+
+def precompile(*, heads: int, dim: int, dtype: torch.dtype) -> None:
+    """Compile, without launching, the variant `rope` launches on a [rows, heads, dim] tensor
+    of `dtype` with contiguous heads (consumer/serve/precompile.py)."""
+    x = Shaped(dtype, (1, heads, dim))
+    angles = Shaped(torch.float32, (1, dim // 2))
+    _launch(x, angles, angles, x, compile_only=True)

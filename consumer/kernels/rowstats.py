@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -77,6 +78,7 @@ from consumer.kernels.gumbel import (
     load_blocks,
     margin,
 )
+from consumer.kernels.launch import Shaped, launch
 
 
 @dataclass
@@ -370,6 +372,7 @@ def _row_pass(
     valid: int,
     want_entropy: bool,
     out: dict[str, torch.Tensor],
+    compile_only: bool = False,
 ) -> None:
     """Step 1 over a chunk's rows into `out`: stats [R, P, 3], samples skey/sid/sz [R, P, N]
     and, with "bm" present, the block stats bm/bs/bu [R, G] and class maxima gmax [R, P, X]."""
@@ -381,7 +384,8 @@ def _row_pass(
     samples = [out[key] if n else stats for key in ("skey", "sid", "sz")]
     cfg = CONFIG
     # Kernel arguments one role to a line (tensors, layout, compile-time flags): kept by fmt: skip.
-    _row_pass_kernel[(rows, lay.parts, lay.per_row)](
+    launch(
+        _row_pass_kernel, (rows, lay.parts, lay.per_row),
         logits_RV, logits_RV.stride(0), inv_R,
         stats if keys_RN is None or not n else keys_RN,  # unused tensors: any pointer
         stats, *blocks, *samples,
@@ -390,8 +394,75 @@ def _row_pass(
         SAMPLES=n > 0, WANT_U=want_entropy, STORE_BLOCKS=store_blocks,
         INTERPRET=interpreting(), num_warps=cfg.num_warps,
         # The samples' arithmetic must round as the reference does (see gumbel).
-        enable_fp_fusion=n == 0,
+        enable_fp_fusion=n == 0, compile_only=compile_only,
     )  # fmt: skip
+
+
+def _candidates(
+    logits_RV: torch.Tensor,
+    inv_R: torch.Tensor,
+    part: dict[str, torch.Tensor],
+    sel_RG: torch.Tensor,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    lay: _Layout,
+    *,
+    valid: int,
+    k: int,
+    cap: int,
+    want_entropy: bool,
+    compile_only: bool = False,
+) -> None:
+    """Step 3 over a chunk's rows: candidates cz/cid, their count and the rest sums `outs`."""
+    rows = logits_RV.shape[0]
+    # Arguments one role to a line, as the row pass: kept by fmt: skip.
+    launch(
+        _candidates_kernel, (rows,),
+        logits_RV, logits_RV.stride(0), inv_R, part["stats"], part["gmax"],
+        part["bm"], part["bs"], part["bu"], sel_RG, *outs,
+        valid, lay.offset, lay.n_blocks, lay.parts, k, cap,
+        BLOCKS=CONFIG.blocks_per_step, WIDTH=SAMPLE_BLOCK, TILE=1024,
+        WANT_U=want_entropy, num_warps=CONFIG.num_warps, compile_only=compile_only,
+    )  # fmt: skip
+
+
+def precompile(
+    *, shard: VocabShard, dtype: torch.dtype, n: int, top_k: int, want_entropy: bool
+) -> bool:
+    """Compile, without launching, the kernels `local_reduce` launches for a call on `shard`
+    with `dtype` logits, `n` samples, top-`top_k` and the entropy or not
+    (consumer/serve/precompile.py); False for a call `local_reduce` does not take."""
+    width, valid = shard.size, shard.valid_size
+    k = min(top_k, width)
+    lay = _Layout.of(shard.start, valid, 1, n)
+    if valid == 0 or valid < k or k > lay.classes:
+        return False
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    # Shaped stands in for each tensor: typed Any, as the wrappers' tensors are duck-typed here.
+    out: dict[str, Any] = {"stats": Shaped(f32, (1, lay.parts, 3))}
+    out |= {
+        key: Shaped(f32 if key != "sid" else i64, (1, lay.parts, n))
+        for key in ("skey", "sid", "sz")
+    }
+    if k:
+        out |= {key: Shaped(f32, (1, lay.n_blocks)) for key in ("bm", "bs", "bu")}
+        out["gmax"] = Shaped(f32, (1, lay.parts, lay.classes))
+    logits: Any = Shaped(dtype, (1, width))
+    inv: Any = Shaped(f32, (1,))
+    keys: Any = Shaped(i64, (1, n)) if n else None
+    _row_pass(logits, inv, keys, lay, start=shard.start, valid=valid, want_entropy=want_entropy,
+              out=out, compile_only=True)  # fmt: skip
+    if k:
+        cap = max(CONFIG.cap, 2 * k)
+        outs: Any = (
+            Shaped(f32, (1, cap)),
+            Shaped(i32, (1, cap)),
+            Shaped(i32, (1,)),
+            Shaped(f32, (1, 2)),
+        )
+        sel: Any = Shaped(i32, (1, lay.n_blocks))
+        _candidates(logits, inv, out, sel, outs, lay, valid=valid,
+                    k=k, cap=cap, want_entropy=want_entropy, compile_only=True)  # fmt: skip
+    return True
 
 
 def _merge_parts(
@@ -540,14 +611,10 @@ def local_reduce(
             out=part,
         )
         if k:
-            # Arguments one role to a line, as the row pass: kept by fmt: skip.
-            _candidates_kernel[(r1 - r0,)](
-                logits_RV, logits_RV.stride(0), inv_T[r0:r1], part["stats"], part["gmax"],
-                part["bm"], part["bs"], part["bu"], sel_RG,
-                cz_TC[r0:r1], cid_TC[r0:r1], count_T[r0:r1], rest_T2[r0:r1],
-                valid, lay.offset, lay.n_blocks, lay.parts, k, cap,
-                BLOCKS=CONFIG.blocks_per_step, WIDTH=SAMPLE_BLOCK, TILE=1024,
-                WANT_U=want_entropy, num_warps=CONFIG.num_warps,
+            _candidates(
+                logits_RV, inv_T[r0:r1], part, sel_RG,
+                (cz_TC[r0:r1], cid_TC[r0:r1], count_T[r0:r1], rest_T2[r0:r1]),
+                lay, valid=valid, k=k, cap=cap, want_entropy=want_entropy,
             )  # fmt: skip
         del logits_RV  # before the next chunk's logits exist: one chunk at a time
 

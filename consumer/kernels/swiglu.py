@@ -14,6 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from consumer.kernels.launch import Shaped, launch
+
+BLOCK = 1024  # columns per program
+
 
 @triton.jit
 def _swiglu_kernel(x_ptr, out_ptr, ffn, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
@@ -33,7 +37,17 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], ffn), dtype=x.dtype, device=x.device)
-    block = 1024
-    grid = (x2.shape[0], triton.cdiv(ffn, block))
-    _swiglu_kernel[grid](x2, out, ffn, x2.stride(0), out.stride(0), BLOCK=block)
+    _launch(x2, out, ffn)
     return out.reshape(*x.shape[:-1], ffn)
+
+
+def _launch(x2, out, ffn: int, *, compile_only: bool = False) -> None:
+    grid = (x2.shape[0], triton.cdiv(ffn, BLOCK))
+    args = (x2, out, ffn, x2.stride(0), out.stride(0))
+    launch(_swiglu_kernel, grid, *args, BLOCK=BLOCK, compile_only=compile_only)
+
+
+def precompile(*, ffn: int, dtype: torch.dtype) -> None:
+    """Compile, without launching, the variant `swiglu` launches on fc1 outputs
+    [rows, 2 * ffn] of `dtype` (consumer/serve/precompile.py)."""
+    _launch(Shaped(dtype, (1, 2 * ffn)), Shaped(dtype, (1, ffn)), ffn, compile_only=True)

@@ -1,38 +1,270 @@
-"""Where compiled kernels persist across restarts: Triton's and torch inductor's caches.
+"""Where compiled kernels persist across restarts and machines: a sealed, versioned directory.
 
 A fresh consumer compiles every Triton kernel variant its warm-up reaches (seconds each on a
-cold machine); kept on disk, a restarted consumer loads them instead. The directories must be
-in the environment before Triton or torch compiles anything, so `main()` calls `apply` before
-it imports torch. This module imports neither.
+cold machine); kept on disk, a restarted consumer, or a new one on another machine that
+mounts the same volume, loads them instead. The directories must be in the environment
+before Triton or torch compiles anything, so `main()` calls `apply` before it imports torch.
+This module imports neither.
+
+Layout under the root (`consumer.compile_cache_dir`, else `<redis.home>/compile-cache`):
+
+    <root>/<key>/triton/        TRITON_CACHE_DIR
+    <root>/<key>/inductor/      TORCHINDUCTOR_CACHE_DIR
+    <root>/<key>/manifest.json  the environment key and a sha256 per file, written after
+                                the warm-up (`CompileCache.seal`)
+
+`<key>` names the environment the kernels were compiled for (`environment_key`: torch,
+Triton, CUDA, the GPU model, Python, and a hash of the kernels' sources). A consumer in
+another environment uses another subdirectory (starting empty) and leaves the others for the
+machines they fit; subdirectories unused for `PRUNE_AFTER_S` are removed. A subdirectory
+whose manifest does not match its files (a file changed, truncated or missing, or a manifest
+that does not parse) is corrupt: it is moved aside (`<key>.corrupt-<time>`), one warning
+line names it, and the consumer starts on an empty one, which it seals after its warm-up.
+Files written after the seal (by another rank or consumer) are not in the manifest; Triton
+writes each file atomically, and the next seal lists them.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("teacherq.consumer")
 
 # environment variable -> subdirectory of the compile cache
 CACHE_VARIABLES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+MANIFEST = "manifest.json"
+FORMAT = 1  # of the manifest and the layout; part of the key
+PRUNE_AFTER_S = 30 * 86400  # other environments' subdirectories, unused this long
+KERNEL_SOURCES = ("consumer/kernels", "consumer/head_common.py")  # what the kernels compile
+REPO = Path(__file__).resolve().parents[2]
 
 
-def cache_environment(
-    setting: Path | None, home: Path, environ: MutableMapping[str, str]
-) -> dict[str, str]:
-    """The cache variables to set: under `setting` (TEACHERQ_CONSUMER__COMPILE_CACHE_DIR) when
-    given, overriding the environment; else under `<home>/compile-cache` for each variable the
-    environment does not set already."""
-    root = Path(setting) if setting is not None else Path(home) / "compile-cache"
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def _cuda_version() -> str:
+    """torch's CUDA version, read from torch/version.py (importing torch takes seconds)."""
+    try:
+        files = metadata.files("torch") or []
+    except metadata.PackageNotFoundError:
+        return "none"
+    for f in files:
+        if str(f).replace("\\", "/") == "torch/version.py":
+            found = re.search(r"^cuda\b.*?=\s*['\"]?([\w.]+)", f.read_text() or "", re.M)
+            return found.group(1) if found else "none"
+    return "none"
+
+
+def gpu_models() -> str:
+    """The NVIDIA GPU models of this host (from the driver's /proc files, else nvidia-smi),
+    sorted and joined; "none" without one."""
+    models = set()
+    for info in Path("/proc/driver/nvidia/gpus").glob("*/information"):
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("Model:"):
+                models.add(line.split(":", 1)[1].strip())
+    if not models and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        models = {line.strip() for line in out.splitlines() if line.strip()}
+    return ",".join(sorted(models)) or "none"
+
+
+def kernels_hash(repo: Path = REPO) -> str:
+    """sha256 over the kernels' sources (what they compile from), first 16 hex digits."""
+    digest = hashlib.sha256()
+    for rel in KERNEL_SOURCES:
+        path = repo / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(f.relative_to(repo).as_posix().encode() + b"\0")
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def environment_key() -> dict[str, str]:
+    """What a compiled kernel depends on beyond its source: a cache built for another key is
+    stale here."""
     return {
-        var: str(root / sub)
-        for var, sub in CACHE_VARIABLES.items()
-        if setting is not None or not environ.get(var)
+        "format": str(FORMAT),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "cuda": _cuda_version(),
+        "gpu": gpu_models(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "kernels": kernels_hash(),
     }
 
 
-def apply(setting: Path | None, home: Path, environ: MutableMapping[str, str]) -> dict[str, str]:
-    """Create the cache directories and put them in `environ` (see `cache_environment`);
-    returns every cache variable's value now in effect."""
-    for var, path in cache_environment(setting, home, environ).items():
-        Path(path).mkdir(parents=True, exist_ok=True)
-        environ[var] = path
-    return {var: environ[var] for var in CACHE_VARIABLES if environ.get(var)}
+def key_name(key: dict[str, str]) -> str:
+    """The subdirectory name of `key`: readable prefix, hash of the whole key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    triton = re.sub(r"[^\w.]", "_", key.get("triton", "none"))
+    return f"triton{triton}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
+
+
+def _files(path: Path) -> Iterator[Path]:
+    for sub in CACHE_VARIABLES.values():
+        base = path / sub
+        if base.is_dir():
+            yield from (f for f in sorted(base.rglob("*")) if f.is_file() and not f.is_symlink())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def problems(path: Path, key: dict[str, str]) -> list[str]:
+    """Why the cache at `path` cannot be trusted (empty: it can, or it was never sealed)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return []
+    try:
+        sealed = json.loads(manifest.read_text())
+        recorded = dict(sealed["files"])
+        sealed_key = dict(sealed["key"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{MANIFEST} unreadable: {type(exc).__name__}"]
+    if sealed_key != key:
+        return [f"{MANIFEST} was written for another environment"]
+    found = []
+    for rel, entry in recorded.items():
+        f = path / rel
+        if not f.is_file():
+            found.append(f"{rel}: missing")
+        elif f.stat().st_size != entry.get("size") or _sha256(f) != entry.get("sha256"):
+            found.append(f"{rel}: checksum differs")
+    return found
+
+
+@dataclass
+class CompileCache:
+    """The cache directories of this process: `variables` (name -> directory) as set in the
+    environment; `path` the sealed subdirectory (None where TRITON_CACHE_DIR and
+    TORCHINDUCTOR_CACHE_DIR came from the environment: not ours to seal)."""
+
+    variables: dict[str, str]
+    path: Path | None = None
+    key: dict[str, str] = field(default_factory=dict)
+    state: str = "external"  # new, sealed (files checked), rebuilt (was corrupt), external
+    sealed_files: frozenset[str] = frozenset()  # what the manifest lists
+
+    def describe(self) -> dict[str, object]:
+        """Fields for the start-up log lines."""
+        return {"dirs": self.variables, "state": self.state, "path": str(self.path or "")}
+
+    def seal(self) -> int:
+        """Write the manifest: every file now in the cache with its checksum (atomically:
+        another process reads the old manifest or the new one). Returns the file count."""
+        if self.path is None:
+            return 0
+        files = {f.relative_to(self.path).as_posix(): f for f in _files(self.path)}
+        if self.state == "sealed" and set(files) == self.sealed_files:
+            return len(files)  # nothing new since the seal this start checked
+        entries = {
+            rel: {"size": f.stat().st_size, "sha256": _sha256(f)} for rel, f in files.items()
+        }
+        body = {"key": self.key, "sealed_at": time.time(), "files": entries}
+        tmp = self.path / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+        os.replace(tmp, self.path / MANIFEST)
+        self.state, self.sealed_files = "sealed", frozenset(entries)
+        return len(entries)
+
+
+def _prune(root: Path, keep: Path, now: float) -> None:
+    """Remove other environments' subdirectories (and corrupt ones set aside) unused for
+    PRUNE_AFTER_S; a concurrent prune by another consumer is harmless."""
+    for entry in root.iterdir():
+        if entry == keep or not entry.is_dir():
+            continue
+        try:
+            if now - entry.stat().st_mtime > PRUNE_AFTER_S:
+                shutil.rmtree(entry, ignore_errors=True)
+        except FileNotFoundError:
+            continue
+
+
+def open_cache(root: Path, key: dict[str, str]) -> CompileCache:
+    """The subdirectory of `root` for `key`, created, checked against its manifest (a corrupt
+    one set aside and replaced by an empty one), with the variables pointing into it."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / key_name(key)
+    state, listed = "new", frozenset[str]()
+    if (path / MANIFEST).is_file():
+        found = problems(path, key)
+        state = "sealed"
+        if not found:
+            listed = frozenset(json.loads((path / MANIFEST).read_text())["files"])
+        if found:
+            aside = root / f"{path.name}.corrupt-{int(time.time())}-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):  # another consumer set it aside first
+                path.rename(aside)
+            log.warning(
+                "compile_cache.corrupt",
+                path=str(path),
+                moved_to=str(aside),
+                problems=found[:5],
+                note="rebuilt: compiled again on this start",
+            )
+            state = "rebuilt"
+    for sub in CACHE_VARIABLES.values():
+        (path / sub).mkdir(parents=True, exist_ok=True)
+    os.utime(path)  # in use: not pruned by another machine's consumer
+    _prune(root, path, time.time())
+    variables = {var: str(path / sub) for var, sub in CACHE_VARIABLES.items()}
+    return CompileCache(variables, path, key, state, listed)
+
+
+def apply(
+    setting: Path | None,
+    home: Path,
+    environ: MutableMapping[str, str],
+    key: dict[str, str] | None = None,
+) -> CompileCache:
+    """Open the cache and put its directories in `environ`. The root is `setting`
+    (TEACHERQ_CONSUMER__COMPILE_CACHE_DIR) when given, overriding the environment; else
+    `<home>/compile-cache`, unless TRITON_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR is set already
+    (then those are left as they are, and nothing is sealed). `key`: the environment key
+    (default: this environment's)."""
+    if setting is None and any(environ.get(var) for var in CACHE_VARIABLES):
+        for var in CACHE_VARIABLES:
+            if environ.get(var):
+                Path(environ[var]).mkdir(parents=True, exist_ok=True)
+        present = {var: environ[var] for var in CACHE_VARIABLES if environ.get(var)}
+        return CompileCache(present)
+    root = Path(setting) if setting is not None else Path(home) / "compile-cache"
+    cache = open_cache(root, key if key is not None else environment_key())
+    environ.update(cache.variables)
+    return cache

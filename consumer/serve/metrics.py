@@ -182,6 +182,13 @@ class ConsumerMetrics:
             "teacherq_consumer_paused",
             "1 while the consumer takes no new work because Redis is (nearly) full.",
         ).labels(*lv)
+        self._start = Gauge(
+            "teacherq_consumer_start_seconds",
+            "Seconds of this consumer's start until ready, by phase (import, setup, build, "
+            "read, copy, load, compile, warmup, open; total: all of them).",
+            labels + ("phase",),
+            registry=reg,
+        )
         ProcessCollector(registry=reg)  # resident memory, CPU seconds, open fds of this process
 
         self._lock = threading.Lock()
@@ -291,6 +298,11 @@ class ConsumerMetrics:
                 ("peak_allocated", torch.cuda.max_memory_allocated(i)),
             ):
                 self._device_mem.labels(self.queue, self.consumer, dev, kind).set(value)
+
+    def start_phases(self, phases: dict[str, float]) -> None:
+        """Seconds per start-up phase, as `consumer.ready` logs them (`phases_s`)."""
+        for phase, seconds in phases.items():
+            self._start.labels(self.queue, self.consumer, phase).set(seconds)
 
     def redis_memory(self, fields: dict[str, Any], *, paused: bool) -> None:
         """Redis memory as `shared.memory.memory_fields` reports it, and the pause state."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import redis
@@ -21,7 +22,9 @@ from consumer.group.batching import broadcast_text
 from consumer.group.faults import FaultInjector
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
 from consumer.serve.assemble import build_leader
+from consumer.serve.compile_cache import CompileCache
 from consumer.serve.follower import follow
+from consumer.serve.precompile import Precompile
 from consumer.serve.preflight import UnsafeRedis, preflight
 from consumer.serve.reload import Reloader, load_agreed
 from consumer.serve.stop import StopFlag
@@ -199,8 +202,12 @@ def start_model(
 
 
 class StartClock:
-    """Seconds per phase of a consumer's start (import, setup, build, read, copy, warmup),
-    for `consumer.ready`'s `phases_s`."""
+    """Seconds per phase of a consumer's start, for `consumer.ready`'s `phases_s` and the
+    `teacherq_consumer_start_seconds` gauges: import (interpreter, torch, megatron), setup
+    (parallel layout, Redis checks), build / read / copy / load (the model: built, bytes read,
+    copied to the device, the rest of loading), compile (waiting for the precompile workers),
+    warmup (consumer/serve/warmup.py, and sealing the compile cache), open (the leader's
+    stream and heartbeat)."""
 
     def __init__(self, started: float | None) -> None:
         self.started = started if started is not None else time.monotonic()
@@ -220,6 +227,23 @@ class StartClock:
         self.phases["total"] = round(now - self.started, 3)
 
 
+def compiled_kernels(cache: CompileCache | None) -> int:
+    """Kernels in Triton's cache now (one metadata group file per compiled kernel); 0 where
+    the cache is not ours to count."""
+    if cache is None or cache.path is None:
+        return 0
+    return sum(1 for _ in Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json"))
+
+
+def seal(cache: CompileCache | None) -> int:
+    """Seal the compile cache after the warm-up (one process per host: LOCAL_RANK 0; the
+    other ranks' kernels are sealed by the next start); returns the files listed, 0 if this
+    process does not seal."""
+    if cache is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return 0
+    return cache.seal()
+
+
 class CheckpointLoadError(InvalidCheckpoint):
     """The configured model (TEACHERQ_MODEL__PATH) cannot be loaded: a configuration error."""
 
@@ -228,11 +252,14 @@ def run(
     settings: Settings,
     *,
     started: float | None = None,
-    compile_caches: dict[str, str] | None = None,
+    compile_cache: CompileCache | None = None,
+    precompile: Precompile | None = None,
 ) -> int:
     """Serve the queue until stopped; returns the process exit code. Raises UnsafeRedis,
     before loading the model, when the start-up checks refuse (see `preflight`). `started`
-    (time.monotonic() at the process's start) times the import phase of `consumer.ready`."""
+    (time.monotonic() at the process's start) times the import phase of `consumer.ready`;
+    `compile_cache` is sealed after the warm-up; `precompile` (workers compiling the
+    warm-up's kernels) is waited for before it."""
     clock = StartClock(started)
     cpu_compat.apply()
     clock.lap("import")
@@ -274,11 +301,22 @@ def run(
         with recording() as load_phases:
             scorer, version, generation, served_path = start_model(settings, layout, client, choice)
         clock.lap("load", split=load_phases)
+        precompiled = (
+            precompile.wait(settings.consumer.precompile_timeout_s) if precompile else None
+        )
+        clock.lap("compile")
+        compiled_before = compiled_kernels(compile_cache)
         warmed = warmup(scorer, settings)
+        sealed = seal(compile_cache)
         clock.lap("warmup")
         log.info(
             "consumer.warmed_up",
-            compile_caches=compile_caches or {},
+            compile_caches=compile_cache.variables if compile_cache else {},
+            compile_cache=compile_cache.describe() if compile_cache else {},
+            precompile=precompiled or {},
+            # Kernels the warm-up compiled itself: 0 when the cache or the precompile had them.
+            compiled_in_warmup=compiled_kernels(compile_cache) - compiled_before,
+            sealed_files=sealed,
             **warmed,
         )
         reload = Reloader(
@@ -292,6 +330,7 @@ def run(
 
         def ready_phases() -> dict[str, float]:
             clock.lap("open")  # the leader's stream and heartbeat set up
+            leader.metrics.start_phases(clock.phases)
             return clock.phases
 
         if not layout.is_leader:

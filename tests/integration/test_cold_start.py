@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,8 +72,9 @@ def test_library_notices_are_debug_lines_only(settings, start_consumer, tmp_path
 def test_ready_reports_phases_caches_and_every_warmed_output(
     settings, start_consumer, tmp_path
 ) -> None:
-    """`consumer.ready` carries seconds per start-up phase; the compile caches are the
-    setting's directories (created, and named in `consumer.warmed_up`); a full warm-up visits
+    """`consumer.ready` carries seconds per start-up phase; the compile caches are under the
+    setting's directory, in this environment's subdirectory (created, sealed after the
+    warm-up, and named in `consumer.warmed_up`); a full warm-up visits
     every output combination the queue's limits allow (8 head-pass groups, every class of
     sample count up to the limit, labels and a temperature other than 1)."""
     cache = tmp_path / "kernels"
@@ -85,16 +87,19 @@ def test_ready_reports_phases_caches_and_every_warmed_output(
     events = _events(proc)
     [ready] = [e for e in events if e["event"] == "consumer.ready"]
     phases = ready["phases_s"]
-    for name in ("import", "setup", "build", "warmup", "total"):
+    for name in ("import", "setup", "build", "compile", "warmup", "total"):
         assert phases[name] >= 0, phases
     parts = sum(v for k, v in phases.items() if k != "total")
     assert parts == pytest.approx(phases["total"], abs=0.05)
     [warmed] = [e for e in events if e["event"] == "consumer.warmed_up"]
+    keyed = Path(warmed["compile_cache"]["path"])  # this environment's sealed subdirectory
+    assert keyed.parent == cache and warmed["compile_cache"]["state"] == "sealed"
     assert warmed["compile_caches"] == {
-        "TRITON_CACHE_DIR": str(cache / "triton"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRITON_CACHE_DIR": str(keyed / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(keyed / "inductor"),
     }
-    assert (cache / "triton").is_dir() and (cache / "inductor").is_dir()
+    assert (keyed / "triton").is_dir() and (keyed / "inductor").is_dir()
+    assert (keyed / "manifest.json").is_file()
     seen = warmed["combinations"]
     for k in ("k0", "k1", "k4"):
         assert any(c.startswith(k + " ") for c in seen), (k, seen)

@@ -1,5 +1,5 @@
 """The consumer's warm-up (consumer/serve/warmup.py) and compile caches
-(consumer/serve/compile_cache.py):
+(consumer/serve/compile_cache.py; sealing: tests/unit/test_compile_cache.py):
 the warm-up sends every output combination the queue's limits allow through the real head,
 and the cache directories follow the setting, the environment and the home, in that order."""
 
@@ -110,22 +110,28 @@ def test_graph_classes_fill_the_token_budget() -> None:
 
 
 def test_compile_cache_follows_setting_then_environment_then_home(tmp_path: Path) -> None:
-    """Unset, the caches go under `<home>/compile-cache`, except where the environment names a
-    directory already; the setting overrides the environment. The directories exist."""
-    from consumer.serve.compile_cache import apply
+    """Unset, the caches go under `<home>/compile-cache/<environment key>`; a directory the
+    environment names already is used as it is (and not sealed); the setting overrides the
+    environment. The directories exist."""
+    from consumer.serve.compile_cache import apply, key_name
 
+    key = {"triton": "3.6.0", "gpu": "NVIDIA H200"}
     home = tmp_path / "home"
-    env: dict[str, str] = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
-    got = apply(None, home, env)
-    assert got == {
-        "TRITON_CACHE_DIR": str(home / "compile-cache" / "triton"),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine"),
+    got = apply(None, home, {}, key=key)
+    keyed = home / "compile-cache" / key_name(key)
+    assert got.variables == {
+        "TRITON_CACHE_DIR": str(keyed / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(keyed / "inductor"),
     }
-    assert Path(got["TRITON_CACHE_DIR"]).is_dir()
-    forced = apply(tmp_path / "set", home, env)
-    assert forced["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "set" / "inductor")
-    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "set" / "triton")
-    assert (tmp_path / "set" / "triton").is_dir()
+    assert Path(got.variables["TRITON_CACHE_DIR"]).is_dir() and got.state == "new"
+    env: dict[str, str] = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
+    external = apply(None, home, env, key=key)
+    assert external.variables == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
+    assert external.path is None and external.seal() == 0
+    forced = apply(tmp_path / "set", home, env, key=key)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "set" / key_name(key) / "inductor")
+    assert forced.variables["TRITON_CACHE_DIR"] == env["TRITON_CACHE_DIR"]
+    assert (tmp_path / "set" / key_name(key) / "triton").is_dir()
 
 
 @pytest.mark.parametrize("minimal", [True])

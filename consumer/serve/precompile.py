@@ -1,0 +1,290 @@
+"""Compile the warm-up's Triton kernels in parallel, off the start's critical path.
+
+On a machine whose compile cache is empty, the warm-up (consumer/serve/warmup.py) would compile
+every kernel variant it reaches one after another (~20-40 of them, seconds each). `main()`
+starts `Precompile.start` right after the cache directories are set, before torch and
+megatron are imported: a few worker processes (`python -m consumer.serve.precompile`, fresh
+interpreters: CUDA does not survive a fork) compile those variants into the same
+TRITON_CACHE_DIR through Triton's ahead-of-time path (`consumer/kernels/launch.py`: the
+kernel's `warmup`, no launch), while the consumer imports and loads its weights. Before its
+warm-up, `run` waits for them (the `compile` phase of `consumer.ready`), and the warm-up then
+finds every variant in the cache.
+
+The variants come from the warm-up's own plan (`warmup.plan`: the head-pass groups of every
+warm-up batch) and the model's shape (vocabulary shard, MLP width, heads), through each
+kernel module's `precompile`, which builds the launch arguments with the code its launch
+uses. `tests/unit/test_precompile.py` checks that the plan covers every kernel launch the
+warm-up's calls make.
+
+Without CUDA nothing starts (a debug line says so). A worker that fails costs nothing but
+time: the warm-up compiles what is missing, and one warning line says which worker failed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("teacherq.consumer")
+
+MAX_WORKERS = 16  # past this, workers wait on one another's imports more than they compile
+FP8_TOKEN_CLASSES = (16, 17)  # token counts Triton tells apart: multiples of 16, and others
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every worker is told: enough to rebuild the plan (the model's shape is read in the
+    worker, where importing torch costs the consumer nothing)."""
+
+    model_path: str | None
+    tp: int
+    tp_rank: int
+    dtype: str  # model.dtype: auto, bfloat16, float16, float32
+    max_top_k: int
+    max_sample_n: int
+    token_budget: int
+    full: bool
+    workers: int
+
+    def to_json(self) -> str:
+        """The job as one JSON argument."""
+        return json.dumps(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compile: a kernel module's `precompile` with these keyword arguments."""
+
+    kernel: str  # "rowstats", "swiglu", "rope", "fp8_quant"
+    params: tuple[tuple[str, Any], ...]
+
+    def name(self) -> str:
+        """A short label for logs, e.g. `rowstats n=3 top_k=1 want_entropy=True`."""
+        return " ".join([self.kernel] + [f"{k}={v}" for k, v in self.params if k != "shard"])
+
+
+def head_calls(batches: list) -> list[tuple[int, int, bool]]:
+    """(samples, top-k, entropy) of every head pass the warm-up's `batches` run: the scorer
+    runs one pass per group of jobs asking for the same kinds of output, and a warm-up batch
+    holds one job per group (`warmup.combos`)."""
+    seen: dict[tuple[int, int, bool], None] = {}
+    for batch in batches:
+        for combo in batch.combos:
+            seen[(combo.sample_n, combo.top_k, combo.entropy)] = None
+    return list(seen)
+
+
+def plan(spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool) -> list[Variant]:
+    """The kernel variants a warm-up of `batches` reaches on TP rank `tp_rank` of `tp` for a
+    model `spec` (consumer/forward/spec.py) with `dtype` parameters; `fp8`: its linears run
+    block-scaled FP8. Variants that compile to the same kernel appear once."""
+    from consumer.head_common import VocabShard
+
+    per_rank = spec.padded_vocab_size(tp) // tp
+    shard = VocabShard(start=tp_rank * per_rank, size=per_rank, vocab_size=spec.vocab_size)
+    variants: dict[Variant, None] = {}
+    for n, top_k, entropy in head_calls(batches):
+        # Sample counts share a kernel by samples per program (a power of two up to 16), and
+        # top-k values share one: the kernels specialise on neither (rowstats.py).
+        params: tuple[tuple[str, Any], ...] = (
+            ("shard", shard),
+            ("dtype", dtype),
+            ("n", min(16, 1 << (n - 1).bit_length()) if n else 0),
+            ("top_k", 1 if top_k else 0),
+            ("want_entropy", entropy),
+        )
+        variants[Variant("rowstats", params)] = None
+    ffns = {spec.ffn_hidden_size // tp}
+    if spec.is_moe:
+        ffns |= {spec.moe_ffn_hidden_size, spec.moe_ffn_hidden_size // tp}
+        if spec.moe_shared_ffn_hidden_size:
+            ffns.add(spec.moe_shared_ffn_hidden_size // tp)
+    for ffn in sorted(f for f in ffns if f > 0):
+        variants[Variant("swiglu", (("ffn", ffn), ("dtype", dtype)))] = None
+    if not spec.is_mla and spec.rotary_dim == spec.kv_channels:  # else the PyTorch RoPE
+        kv_heads = max(1, spec.num_kv_heads // tp)
+        for heads in (spec.num_attention_heads // tp, kv_heads):
+            params = (("heads", heads), ("dim", spec.kv_channels), ("dtype", dtype))
+            variants[Variant("rope", params)] = None
+    if fp8:
+        widths = {spec.hidden_size, spec.num_attention_heads // tp * spec.kv_channels}
+        widths.add(spec.ffn_hidden_size // tp)
+        for k in sorted(w for w in widths if w % 128 == 0):
+            for tokens in FP8_TOKEN_CLASSES:
+                params = (("k", k), ("tokens", tokens), ("dtype", dtype))
+                variants[Variant("fp8_quant", params)] = None
+    return list(variants)
+
+
+def compile_variant(variant: Variant) -> None:
+    """Compile one variant into Triton's cache (nothing is launched)."""
+    import importlib
+
+    module = importlib.import_module(f"consumer.kernels.{variant.kernel}")
+    module.precompile(**dict(variant.params))
+
+
+def cuda_present(environ: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether this host shows an NVIDIA device to this process, without importing torch."""
+    if environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def worker_count(setting: int, environ: dict[str, str] | os._Environ[str]) -> int:
+    """`consumer.precompile_workers`, or (0) the cores this host's ranks leave, shared among
+    them, at most MAX_WORKERS."""
+    if setting > 0:
+        return setting
+    ranks_here = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    free = max(1, (os.cpu_count() or 2) - ranks_here)
+    return max(1, min(MAX_WORKERS, free // ranks_here))
+
+
+class Precompile:
+    """The running workers of one consumer rank."""
+
+    def __init__(self, procs: list[subprocess.Popen], started: float) -> None:
+        self.procs = procs
+        self.started = started
+
+    @classmethod
+    def start(cls, settings, environ: os._Environ[str] | dict[str, str]) -> Precompile | None:
+        """Start the workers for this rank (RANK, WORLD_SIZE from torchrun), or None where
+        there is nothing to do: the setting is off, the device is the CPU, or no CUDA."""
+        c = settings.consumer
+        if not c.precompile or c.device == "cpu":
+            log.debug("precompile.skipped", reason="off" if not c.precompile else "device=cpu")
+            return None
+        if not cuda_present(environ):
+            log.debug("precompile.skipped", reason="no CUDA device")
+            return None
+        rank, tp = int(environ.get("RANK", "0")), settings.parallel.tp
+        workers = worker_count(c.precompile_workers, environ)
+        job = Job(
+            model_path=None if settings.model.path is None else str(settings.model.path),
+            tp=tp,
+            tp_rank=rank % tp,  # megatron's order: TP ranks are the fastest-varying
+            dtype=settings.model.dtype,
+            max_top_k=settings.queue.max_top_k,
+            max_sample_n=settings.queue.max_sample_n,
+            token_budget=c.token_budget,
+            full=c.warmup == "full" or c.warmup == "auto",
+            workers=workers,
+        )
+        env = {**environ, "TEACHERQ_PRECOMPILE_WORKER": "1"}
+        argv = [sys.executable, "-m", "consumer.serve.precompile", job.to_json()]
+        procs = [
+            subprocess.Popen(
+                [*argv, str(i)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for i in range(workers)
+        ]
+        log.debug("precompile.started", workers=workers, tp_rank=job.tp_rank)
+        return cls(procs, time.monotonic())
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for every worker (stopping those still running after `timeout_s`); returns
+        what the start-up log reports. One warning line if any worker failed."""
+        deadline = self.started + timeout_s
+        failed: list[str] = []
+        for i, proc in enumerate(self.procs):
+            try:
+                _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                failed.append(f"worker {i}: still compiling after {timeout_s:g} s")
+                continue
+            if proc.returncode != 0:
+                tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:]
+                failed.append(f"worker {i}: exit {proc.returncode}: {' '.join(tail)}")
+        if failed:
+            log.warning(
+                "precompile.failed",
+                workers=len(self.procs),
+                failed=failed,
+                note="the warm-up compiles what is missing",
+            )
+        return {
+            "workers": len(self.procs),
+            "failed": len(failed),
+            "seconds": round(time.monotonic() - self.started, 3),
+        }
+
+    def stop(self) -> None:
+        """Stop the workers still running (the consumer is exiting before its warm-up)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def _worker(job: Job, index: int) -> int:
+    """One worker: rebuild the plan, compile every `workers`-th variant from `index`."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    from consumer.serve import warmup
+
+    spec, fp8 = model_shape(job.model_path)
+    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    batches = warmup.plan(
+        max_top_k=job.max_top_k,
+        max_sample_n=job.max_sample_n,
+        vocab_size=spec.vocab_size,
+        max_input_tokens=spec.max_input_tokens,
+        token_budget=job.token_budget,
+        full=job.full,
+        graphs=False,  # graph batches run the plain group, which every plan holds
+    )
+    variants = plan(
+        spec,
+        tp=job.tp,
+        tp_rank=job.tp_rank,
+        batches=batches,
+        dtype=dtypes.get(job.dtype, torch.float32),
+        fp8=fp8,
+    )
+    failures = 0
+    for variant in variants[index :: job.workers]:
+        try:
+            compile_variant(variant)
+        except Exception as exc:  # noqa: BLE001 - reported, and the warm-up compiles it
+            failures += 1
+            sys.stderr.write(f"{variant.name()}: {type(exc).__name__}: {exc}\n")
+    return 1 if failures else 0
+
+
+def model_shape(path: str | None) -> tuple[Any, bool]:
+    """(ModelSpec, block-scaled FP8 or not) of the checkpoint at `path` (None: the tiny
+    preset), from its config.json alone."""
+    from pathlib import Path
+
+    from consumer.forward.spec import TINY
+
+    if path is None:
+        return TINY, False
+    from consumer.checkpoints.hf_config import spec_from_hf_config
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    return spec_from_hf_config(config), quant.get("quant_method") == "fp8"
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(Job(**json.loads(sys.argv[1])), int(sys.argv[2])))

@@ -1,0 +1,143 @@
+"""The sealed compile cache (consumer/serve/compile_cache.py): one subdirectory per
+environment key, a manifest with a checksum per file written after the warm-up; a cache for
+another environment is never read, and a corrupt one is set aside and rebuilt, with one
+warning line naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import structlog
+
+from consumer.serve.compile_cache import (
+    MANIFEST,
+    PRUNE_AFTER_S,
+    apply,
+    environment_key,
+    kernels_hash,
+    key_name,
+)
+
+KEY = {"torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200"}
+
+
+def _compile(env: dict[str, str], name: str, body: bytes = b"cubin") -> Path:
+    """A kernel as Triton leaves one: a file in a hash-named directory of TRITON_CACHE_DIR."""
+    f = Path(env["TRITON_CACHE_DIR"]) / "HASH" / name
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(body)
+    return f
+
+
+def test_a_sealed_cache_is_read_back_on_the_next_start(tmp_path: Path) -> None:
+    """After the seal, a new start (another process, same environment) finds the cache sealed
+    and its files where they were: the warm-up loads them."""
+    env: dict[str, str] = {}
+    first = apply(tmp_path, tmp_path, env, key=KEY)
+    assert first.state == "new"
+    _compile(env, "k.cubin")
+    assert first.seal() == 1
+    manifest = json.loads((first.path / MANIFEST).read_text())  # type: ignore[operator]
+    assert manifest["key"] == KEY and list(manifest["files"]) == ["triton/HASH/k.cubin"]
+
+    again: dict[str, str] = {}
+    second = apply(tmp_path, tmp_path, again, key=KEY)
+    assert second.state == "sealed" and again == env
+    assert (Path(again["TRITON_CACHE_DIR"]) / "HASH" / "k.cubin").read_bytes() == b"cubin"
+
+
+def test_another_environment_starts_empty_and_leaves_the_old_one(tmp_path: Path) -> None:
+    """A consumer with another Triton (or GPU, torch, kernels...) uses its own empty
+    subdirectory: it never reads kernels built for another environment, and leaves them to
+    the machines they fit."""
+    env: dict[str, str] = {}
+    old = apply(tmp_path, tmp_path, env, key=KEY)
+    _compile(env, "k.cubin")
+    old.seal()
+    newer = {**KEY, "triton": "3.7.0"}
+    other: dict[str, str] = {}
+    fresh = apply(tmp_path, tmp_path, other, key=newer)
+    assert fresh.state == "new" and fresh.path != old.path
+    assert not any(Path(other["TRITON_CACHE_DIR"]).iterdir())
+    assert (old.path / MANIFEST).is_file()  # type: ignore[operator]
+
+
+def test_a_corrupt_cache_is_set_aside_and_rebuilt_with_one_warning(tmp_path: Path) -> None:
+    """A file that no longer matches its checksum makes the cache corrupt: it is moved aside
+    (never served from), the start gets an empty directory, and one warning names the path."""
+    env: dict[str, str] = {}
+    cache = apply(tmp_path, tmp_path, env, key=KEY)
+    kernel = _compile(env, "k.cubin")
+    cache.seal()
+    kernel.write_bytes(b"cubiN")  # same size, other bytes
+    with structlog.testing.capture_logs() as logs:
+        rebuilt = apply(tmp_path, tmp_path, {}, key=KEY)
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [e["event"] for e in warnings] == ["compile_cache.corrupt"]
+    assert warnings[0]["path"] == str(cache.path)
+    assert "triton/HASH/k.cubin: checksum differs" in warnings[0]["problems"]
+    assert rebuilt.state == "rebuilt" and rebuilt.path == cache.path
+    assert not (rebuilt.path / MANIFEST).exists()  # type: ignore[operator]
+    assert not any(Path(rebuilt.variables["TRITON_CACHE_DIR"]).iterdir())
+    [aside] = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert (aside / "triton" / "HASH" / "k.cubin").read_bytes() == b"cubiN"
+
+
+def test_a_missing_file_or_a_bad_manifest_is_corrupt(tmp_path: Path) -> None:
+    """A listed file gone, or a manifest that does not parse: both rebuild."""
+    env: dict[str, str] = {}
+    cache = apply(tmp_path / "a", tmp_path, env, key=KEY)
+    _compile(env, "k.cubin")
+    cache.seal()
+    (Path(env["TRITON_CACHE_DIR"]) / "HASH" / "k.cubin").unlink()
+    assert apply(tmp_path / "a", tmp_path, {}, key=KEY).state == "rebuilt"
+
+    env = {}
+    cache = apply(tmp_path / "b", tmp_path, env, key=KEY)
+    (cache.path / MANIFEST).write_text("{not json")  # type: ignore[operator]
+    assert apply(tmp_path / "b", tmp_path, {}, key=KEY).state == "rebuilt"
+
+
+def test_seal_rewrites_only_when_files_were_added(tmp_path: Path) -> None:
+    """A start that compiled nothing leaves the manifest as it was; one that added a kernel
+    lists it."""
+    env: dict[str, str] = {}
+    apply(tmp_path, tmp_path, env, key=KEY)
+    _compile(env, "a.cubin")
+    apply(tmp_path, tmp_path, {}, key=KEY).seal()
+    cache = apply(tmp_path, tmp_path, {}, key=KEY)
+    manifest = cache.path / MANIFEST  # type: ignore[operator]
+    before = manifest.stat().st_mtime_ns
+    assert cache.seal() == 1 and manifest.stat().st_mtime_ns == before
+    _compile(env, "b.cubin")
+    assert cache.seal() == 2
+    assert "triton/HASH/b.cubin" in json.loads(manifest.read_text())["files"]
+
+
+def test_other_environments_unused_for_a_month_are_pruned(tmp_path: Path) -> None:
+    """Subdirectories of other environments not opened for PRUNE_AFTER_S are removed; recent
+    ones stay."""
+    old, recent = tmp_path / "old-env", tmp_path / "recent-env"
+    old.mkdir()
+    recent.mkdir()
+    stale = os.stat(old).st_mtime - PRUNE_AFTER_S - 60
+    os.utime(old, (stale, stale))
+    apply(tmp_path, tmp_path, {}, key=KEY)
+    assert not old.exists() and recent.is_dir()
+
+
+def test_environment_key_names_what_kernels_depend_on(tmp_path: Path) -> None:
+    """The key holds torch, Triton, CUDA, the GPU, Python and the kernels' source hash; a change
+    to a kernel source changes the hash (and so the subdirectory)."""
+    key = environment_key()
+    assert {"torch", "triton", "cuda", "gpu", "python", "kernels"} <= set(key)
+    repo = tmp_path / "repo"
+    (repo / "consumer" / "kernels").mkdir(parents=True)
+    (repo / "consumer" / "kernels" / "k.py").write_text("A = 1\n")
+    (repo / "consumer" / "head_common.py").write_text("B = 1\n")
+    before = kernels_hash(repo)
+    (repo / "consumer" / "kernels" / "k.py").write_text("A = 2\n")
+    assert kernels_hash(repo) != before
+    assert key_name({**KEY, "kernels": before}) != key_name(KEY)

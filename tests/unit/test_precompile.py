@@ -1,0 +1,183 @@
+"""The precompile plan (consumer/serve/precompile.py) covers every kernel the warm-up launches.
+
+Without a GPU nothing compiles here, so the Triton kernels are replaced by recorders that note
+what Triton would specialise a launch on: each pointer's dtype and 16-byte alignment, each
+integer's class (1, a multiple of 16, other; none for the kernel's `do_not_specialize`
+arguments), the compile-time constants and options. The warm-up's calls (every head pass of
+`warmup.plan`'s batches through `rowstats.local_reduce`, the MLP's SwiGLU and q's and k's
+RoPE, on real CPU tensors of the model's shapes) must each match a compile of the plan
+(`kernel.warmup`, the compile-only path): the cache key Triton would compute is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from consumer.forward.spec import TINY
+from consumer.head_common import VocabShard
+from consumer.kernels import rope, rowstats, swiglu
+from consumer.serve import precompile, warmup
+
+KERNELS = {
+    (rowstats, "_row_pass_kernel"),
+    (rowstats, "_candidates_kernel"),
+    (swiglu, "_swiglu_kernel"),
+    (rope, "_rope_kernel"),
+}
+
+
+def _arg_class(param: Any, value: Any) -> Any:
+    if hasattr(value, "data_ptr"):
+        return ("ptr", str(value.dtype), value.data_ptr() % 16 == 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return type(value).__name__
+    if param.do_not_specialize:
+        return ("int", -(2**31) <= value < 2**31)
+    return ("int", value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
+
+
+class Recorder:
+    """Stands in for a JITFunction: records the specialisation of launches and compiles."""
+
+    def __init__(self, kernel: Any, name: str, seen: dict[str, set]) -> None:
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def _record(self, kind: str, args: tuple, kwargs: dict) -> None:
+        params = [p for p in self.kernel.params if not p.is_constexpr]
+        assert len(args) == len(params), (self.name, len(args), len(params))
+        classes = tuple(_arg_class(p, a) for p, a in zip(params, args, strict=True))
+        self.seen[kind].add((self.name, classes, tuple(sorted(kwargs.items()))))
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args, **kwargs: self._record("launched", args, kwargs)
+
+    def warmup(self, *args: Any, grid: Any, **kwargs: Any) -> None:
+        self._record("compiled", args, kwargs)
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, set]:
+    """Launches and compiles of the fused kernels, recorded instead of run."""
+    out: dict[str, set] = {"launched": set(), "compiled": set()}
+    for module, name in KERNELS:
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), name, out))
+    return out
+
+
+def _warmup_launches(spec, batches, *, tp: int, tp_rank: int, dtype: torch.dtype) -> None:
+    """What the warm-up of `batches` launches on this rank, on CPU tensors: one head pass per
+    group (samples, top-k, entropy), and the forward's SwiGLU and RoPE."""
+    per_rank = spec.padded_vocab_size(tp) // tp
+    shard = VocabShard(start=tp_rank * per_rank, size=per_rank, vocab_size=spec.vocab_size)
+    rows = 16
+    logits = torch.zeros(rows, shard.size, dtype=dtype)
+    for n, top_k, entropy in precompile.head_calls(batches):
+        rowstats.local_reduce(
+            logits_chunk=lambda r0, r1: logits[r0:r1],
+            rows=rows,
+            chunk_rows=4096,
+            shard=shard,
+            target_ids_TW=torch.zeros(rows, 2, dtype=torch.int64),
+            inv_temperature_T=torch.ones(rows),
+            keys_TN=torch.zeros(rows, n, dtype=torch.int64) if n else None,
+            top_k=top_k,
+            want_entropy=entropy,
+        )
+    ffn = spec.ffn_hidden_size // tp
+    swiglu.swiglu(torch.zeros(rows, 2 * ffn, dtype=dtype))
+    dim = spec.kv_channels
+    angles = torch.zeros(rows, dim // 2)
+    for heads in (spec.num_attention_heads // tp, max(1, spec.num_kv_heads // tp)):
+        rope.rope(torch.zeros(rows, heads, dim, dtype=dtype), angles, angles)
+
+
+@pytest.mark.parametrize(
+    ("spec", "tp", "tp_rank", "max_top_k", "max_sample_n"),
+    [
+        (TINY, 1, 0, 8, 20),
+        (TINY, 1, 0, 0, 0),
+        # a Qwen2.5-1.5B-like shape over two ranks: the second rank's shard starts mid-way
+        (
+            replace(
+                TINY,
+                vocab_size=151936,
+                hidden_size=1536,
+                num_attention_heads=12,
+                num_kv_heads=2,
+                ffn_hidden_size=8960,
+            ),
+            2,
+            1,
+            64,
+            8,
+        ),
+    ],
+    ids=["tiny", "tiny-no-topk-no-samples", "qwen1.5b-shape-tp2-rank1"],
+)
+def test_plan_covers_every_kernel_the_warmup_launches(
+    seen: dict[str, set], spec, tp: int, tp_rank: int, max_top_k: int, max_sample_n: int
+) -> None:
+    """Every launch of the warm-up's calls has a compile in the plan with the same
+    specialisation (so the warm-up finds it in the cache), and the plan is not empty."""
+    batches = warmup.plan(
+        max_top_k=max_top_k,
+        max_sample_n=max_sample_n,
+        vocab_size=spec.vocab_size,
+        max_input_tokens=spec.max_input_tokens,
+        token_budget=512,
+        full=True,
+        graphs=True,
+    )
+    dtype = torch.bfloat16
+    _warmup_launches(spec, batches, tp=tp, tp_rank=tp_rank, dtype=dtype)
+    variants = precompile.plan(
+        spec, tp=tp, tp_rank=tp_rank, batches=batches, dtype=dtype, fp8=False
+    )
+    for variant in variants:
+        precompile.compile_variant(variant)
+    launched, compiled = seen["launched"], seen["compiled"]
+    assert launched, "the warm-up's calls launched nothing"
+    missing = launched - compiled
+    assert not missing, f"{len(missing)} launches not in the plan, e.g. {sorted(missing)[0]}"
+    kernels = {name for name, _, _ in compiled}
+    assert {"_row_pass_kernel", "_swiglu_kernel", "_rope_kernel"} <= kernels
+    assert ("_candidates_kernel" in kernels) == (max_top_k > 0)
+
+
+def test_head_variants_follow_the_kernels_specialisation(seen: dict[str, set]) -> None:
+    """Sample counts that share samples-per-program (3 and 4) and top-k values (1 and 64)
+    compile once: the plan lists them once."""
+    shard_batches = [
+        warmup.WarmupBatch([warmup.Combo(k, n, True, 0, 1.0)], 16, "outputs")
+        for k, n in ((1, 3), (64, 4))
+    ]
+    variants = precompile.plan(
+        TINY, tp=1, tp_rank=0, batches=shard_batches, dtype=torch.bfloat16, fp8=False
+    )
+    assert [v.kernel for v in variants].count("rowstats") == 1
+
+
+def test_no_cuda_no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, or with no NVIDIA device visible, no worker starts."""
+    from shared.settings import Settings
+
+    cpu = Settings(consumer={"device": "cpu"})
+    assert precompile.Precompile.start(cpu, {}) is None
+    monkeypatch.setattr(precompile.glob, "glob", lambda pattern: [])
+    assert precompile.Precompile.start(Settings(), {}) is None
+    assert not precompile.cuda_present({"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_worker_count_shares_the_host_among_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto: the cores the host's ranks leave, divided among them, at most MAX_WORKERS; the
+    setting wins."""
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 64)
+    assert precompile.worker_count(0, {}) == precompile.MAX_WORKERS
+    assert precompile.worker_count(0, {"LOCAL_WORLD_SIZE": "8"}) == 7
+    assert precompile.worker_count(3, {"LOCAL_WORLD_SIZE": "8"}) == 3
