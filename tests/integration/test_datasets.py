@@ -702,3 +702,62 @@ def test_a_worker_stopped_while_starting_stops_its_scheduler_too(
     assert proc.returncode == 0, out.decode()[-2000:]
     conn = redis.Redis.from_url(redis_url)
     assert name not in [w.name for w in Worker.all(connection=conn)], "left registered"
+
+
+# A worker leaving (a burst run on an empty queue) whose pubsub thread reads the UNSUBSCRIBE
+# reply before it is told to stop: UNSUBSCRIBE here returns only once that reply was read, the
+# order a loaded machine gives now and then, here every time.
+_PUBSUB_READ_FIRST = """
+import sys, time
+import redis
+from redis.client import PubSub
+from rq import Queue
+from rq.serializers import JSONSerializer
+from producer.datasets.rq_plumbing import DatasetWorker
+
+send_unsubscribe = PubSub.unsubscribe
+
+
+def unsubscribe_once_the_reply_is_read(self, *args):
+    sent = send_unsubscribe(self, *args)
+    deadline = time.monotonic() + 10
+    while self.subscribed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sent
+
+
+PubSub.unsubscribe = unsubscribe_once_the_reply_is_read
+conn = redis.Redis.from_url(sys.argv[1])
+queue = Queue(sys.argv[2], connection=conn, serializer=JSONSerializer)
+worker = DatasetWorker([queue], connection=conn, serializer=JSONSerializer, name=sys.argv[3])
+worker.work(burst=True, logging_level="WARNING")
+"""
+
+
+def test_a_worker_leaves_at_once_when_its_pubsub_thread_read_the_unsubscribe_first(
+    redis_url: str,
+) -> None:
+    """A leaving worker whose pubsub thread read the UNSUBSCRIBE reply before being told to
+    stop exits at once, deregistered. (The thread went back to waiting up to 60 s for a
+    subscription while the worker waited for it without a limit: `teacherq worker` took a
+    minute to exit after SIGTERM.)"""
+    from rq import Worker
+
+    name = f"pubsub-first-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PUBSUB_READ_FIRST, redis_url, f"{name}-queue", name],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        # The hang lasts rq's 60 s pubsub wait; a worker that leaves at once takes ~2 s.
+        out, _ = proc.communicate(timeout=scaled(30))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the worker did not exit: it waits for its pubsub thread")
+    assert proc.returncode == 0, out.decode()[-2000:]
+    conn = redis.Redis.from_url(redis_url)
+    assert name not in [w.name for w in Worker.all(connection=conn)], "left registered"
