@@ -43,8 +43,8 @@ RUN python -m pip install --no-deps . \
 # Run as an unprivileged user; /work is its writable working directory (relative paths such as
 # the default ./.teacherq land there).
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin teacherq \
-    && mkdir -p /work \
-    && chown teacherq:teacherq /work
+    && mkdir -p /work /var/cache/teacherq/compile \
+    && chown -R teacherq:teacherq /work /var/cache/teacherq
 USER teacherq
 WORKDIR /work
 

@@ -29,6 +29,10 @@ class Shaped:
         """An aligned address (what Triton specializes a pointer on)."""
         return 0
 
+    def ptr_range(self) -> int:
+        """A 32-bit pointer range, as Triton's own MockTensor assumes (backends that ask)."""
+        return 0
+
     def stride(self, dim: int | None = None) -> Any:
         """The strides, as torch.Tensor.stride answers."""
         return self._strides if dim is None else self._strides[dim]

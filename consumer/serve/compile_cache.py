@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -62,16 +63,17 @@ def _version(package: str) -> str:
 
 
 def _cuda_version() -> str:
-    """torch's CUDA version, read from torch/version.py (importing torch takes seconds)."""
-    try:
-        files = metadata.files("torch") or []
-    except metadata.PackageNotFoundError:
+    """torch's CUDA version, read from torch/version.py (importing torch takes seconds;
+    find_spec locates the package without importing it)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
         return "none"
-    for f in files:
-        if str(f).replace("\\", "/") == "torch/version.py":
-            found = re.search(r"^cuda\b.*?=\s*['\"]?([\w.]+)", f.read_text() or "", re.M)
-            return found.group(1) if found else "none"
-    return "none"
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        found = re.search(r"^cuda\b.*?=\s*['\"]?([\w.]+)", version.read_text(), re.M)
+    except OSError:
+        return "none"
+    return found.group(1) if found else "none"
 
 
 def gpu_models() -> str:
@@ -180,9 +182,12 @@ class CompileCache:
     state: str = "external"  # new, sealed (files checked), rebuilt (was corrupt), external
     sealed_files: frozenset[str] = frozenset()  # what the manifest lists
 
+    def __post_init__(self) -> None:
+        self.opened = self.state  # what this start found, for the log and the bench
+
     def describe(self) -> dict[str, object]:
         """Fields for the start-up log lines."""
-        return {"dirs": self.variables, "state": self.state, "path": str(self.path or "")}
+        return {"path": str(self.path or ""), "opened": self.opened, "state": self.state}
 
     def seal(self) -> int:
         """Write the manifest: every file now in the cache with its checksum (atomically:

@@ -27,9 +27,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import structlog
 
@@ -152,9 +153,17 @@ def worker_count(setting: int, environ: dict[str, str] | os._Environ[str]) -> in
 class Precompile:
     """The running workers of one consumer rank."""
 
-    def __init__(self, procs: list[subprocess.Popen], started: float) -> None:
+    def __init__(
+        self, procs: list[subprocess.Popen], started: float, errs: list[IO[bytes]]
+    ) -> None:
         self.procs = procs
         self.started = started
+        self.errs = errs  # each worker's stderr
+
+    def _last_line(self, i: int) -> str:
+        self.errs[i].seek(0)
+        lines = self.errs[i].read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
 
     @classmethod
     def start(cls, settings, environ: os._Environ[str] | dict[str, str]) -> Precompile | None:
@@ -180,20 +189,26 @@ class Precompile:
             full=c.warmup == "full" or c.warmup == "auto",
             workers=workers,
         )
-        env = {**environ, "TEACHERQ_PRECOMPILE_WORKER": "1"}
+        env = dict(environ)
         argv = [sys.executable, "-m", "consumer.serve.precompile", job.to_json()]
+        # stderr to files, not pipes: nobody reads a pipe until the wait, and a worker whose
+        # pipe filled up (Triton's warnings) would stop compiling.
+        errs: list[IO[bytes]] = [
+            tempfile.TemporaryFile()  # noqa: SIM115 - closed by wait() or stop()
+            for _ in range(workers)
+        ]
         procs = [
             subprocess.Popen(
                 [*argv, str(i)],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+                stderr=err,
             )
-            for i in range(workers)
+            for i, err in enumerate(errs)
         ]
         log.debug("precompile.started", workers=workers, tp_rank=job.tp_rank)
-        return cls(procs, time.monotonic())
+        return cls(procs, time.monotonic(), errs)
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
         """Wait for every worker (stopping those still running after `timeout_s`); returns
@@ -202,15 +217,16 @@ class Precompile:
         failed: list[str] = []
         for i, proc in enumerate(self.procs):
             try:
-                _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.communicate()
+                proc.wait()
                 failed.append(f"worker {i}: still compiling after {timeout_s:g} s")
                 continue
             if proc.returncode != 0:
-                tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:]
-                failed.append(f"worker {i}: exit {proc.returncode}: {' '.join(tail)}")
+                failed.append(f"worker {i}: exit {proc.returncode}: {self._last_line(i)}")
+        for err in self.errs:
+            err.close()
         if failed:
             log.warning(
                 "precompile.failed",
@@ -229,7 +245,9 @@ class Precompile:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-            proc.communicate()
+            proc.wait()
+        for err in self.errs:
+            err.close()
 
 
 def _worker(job: Job, index: int) -> int:

@@ -17,8 +17,11 @@ first batch would otherwise pay for, and how the warm-up reaches it:
   (128, 256, ... up to 8192 tokens) fills one bucket, so the warm-up records each of those.
   Batches of mixed lengths may still meet a bucket for the first time (one eager forward and
   a recording, a few milliseconds at 1.5B).
-- **Compiled kernels persist** in `consumer.compile_cache_dir` (consumer/serve/compile_cache.py), so
-  a restart loads what the last run compiled.
+- **Compiled kernels persist** in `consumer.compile_cache_dir` (consumer/serve/compile_cache.py,
+  sealed per environment), so a restart, or a new consumer sharing the directory, loads what
+  an earlier run compiled. On an empty cache, `consumer/serve/precompile.py` compiles the
+  variants this plan reaches (its own plan is derived from `plan`) in worker processes while
+  the consumer imports and loads, so the warm-up finds them compiled.
 
 `plan` says what to run (pure, testable without a model); `run` scores it on a `Scorer`.
 """
@@ -31,8 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
-from consumer.forward.graphs import MAX_GRAPHED_SPAN, MIN_SPAN
-from consumer.group.batching import batch_from_jobs
 from shared.messages import Job, TeacherRequest
 
 log = structlog.get_logger("teacherq.consumer")
@@ -131,6 +132,9 @@ def plan(
     short = min(SHORT_TOKENS, max_input_tokens)
     out = [WarmupBatch(c, short, "outputs") for c in per_batch]
     if graphs:
+        # Here, not at the top: the precompile workers read `plan` without megatron's import.
+        from consumer.forward.graphs import MAX_GRAPHED_SPAN, MIN_SPAN
+
         plain = Combo(0, 0, False, 0, 1.0)
         span = MIN_SPAN
         while span <= min(MAX_GRAPHED_SPAN, token_budget, max_input_tokens):
@@ -166,6 +170,8 @@ def requests(batch: WarmupBatch, *, vocab_size: int, seed: int) -> list[TeacherR
 def run(scorer, batches: list[WarmupBatch]) -> dict[str, object]:
     """Score every warm-up batch on `scorer` (every rank of a group runs the same batches, so
     their collectives meet); returns what was warmed, for the start-up log line."""
+    from consumer.group.batching import batch_from_jobs
+
     started = time.perf_counter()
     vocab = int(scorer.spec.vocab_size)
     captures = scorer.graphs.captures if scorer.graphs is not None else 0

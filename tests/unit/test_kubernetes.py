@@ -149,3 +149,19 @@ def test_images_are_pinned(objects) -> None:
         for c in spec.get("containers", []):
             tag = c["image"].rsplit(":", 1)
             assert len(tag) == 2 and tag[1] not in ("", "latest"), c["image"]
+
+
+def test_consumers_keep_compiled_kernels_on_a_volume_at_the_cache_dir(objects) -> None:
+    """The ConfigMap's consumer.compile_cache_dir is a volume mounted in the consumer
+    container (an emptyDir by default; a ReadWriteMany PVC shares it between pods), writable by
+    the image's user (fsGroup)."""
+    s = config(objects)
+    pod = one(objects, "StatefulSet", "teacherq-consumer")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert s.consumer.compile_cache_dir is not None
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    mount = mounts[str(s.consumer.compile_cache_dir)]
+    assert not mount.get("readOnly")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mount["name"]] or "persistentVolumeClaim" in volumes[mount["name"]]
+    assert pod["securityContext"]["fsGroup"] == 10001

@@ -12,7 +12,7 @@ RoPE, on real CPU tensors of the model's shapes) must each match a compile of th
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -181,3 +181,64 @@ def test_worker_count_shares_the_host_among_its_ranks(monkeypatch: pytest.Monkey
     assert precompile.worker_count(0, {}) == precompile.MAX_WORKERS
     assert precompile.worker_count(0, {"LOCAL_WORLD_SIZE": "8"}) == 7
     assert precompile.worker_count(3, {"LOCAL_WORLD_SIZE": "8"}) == 3
+
+
+def _workers(*codes: str) -> precompile.Precompile:
+    """Stand-in workers: small Python processes running `codes`."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    errs: list[IO[bytes]] = [
+        tempfile.TemporaryFile()  # noqa: SIM115 - Precompile.wait closes them
+        for _ in codes
+    ]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stderr=err)
+        for code, err in zip(codes, errs, strict=True)
+    ]
+    return precompile.Precompile(procs, time.monotonic(), errs)
+
+
+def test_a_failed_worker_costs_one_warning_line() -> None:
+    """The consumer goes on when a worker fails: `wait` reports it in one warning naming the
+    worker and its last stderr line; a worker still compiling at the timeout is stopped."""
+    import structlog
+
+    workers = _workers(
+        "pass",
+        "import sys; sys.stderr.write('rowstats n=4: CompilationError: boom\\n'); sys.exit(1)",
+    )
+    with structlog.testing.capture_logs() as logs:
+        got = workers.wait(timeout_s=60)
+    assert got["workers"] == 2 and got["failed"] == 1
+    [warning] = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"] == "precompile.failed"
+    assert warning["failed"] == ["worker 1: exit 1: rowstats n=4: CompilationError: boom"]
+
+    slow = _workers("import time; time.sleep(60)")
+    with structlog.testing.capture_logs() as logs:
+        got = slow.wait(timeout_s=0.2)
+    assert got["failed"] == 1 and slow.procs[0].poll() is not None
+    assert "still compiling" in logs[0]["failed"][0]
+
+
+def test_fp8_plan_covers_the_quantize_launches(seen: dict[str, set], monkeypatch) -> None:
+    """For an FP8 checkpoint the plan compiles the activation quantizer for every FP8 linear's
+    input width, for token counts of both integer classes."""
+    from consumer.kernels import fp8_quant
+
+    monkeypatch.setattr(
+        fp8_quant,
+        "_quantize_kernel",
+        Recorder(fp8_quant._quantize_kernel, "_quantize_kernel", seen),
+    )
+    spec = replace(TINY, hidden_size=256, num_attention_heads=2, ffn_hidden_size=512)
+    for tokens in (16, 17, 40):
+        for k in (spec.hidden_size, spec.num_attention_heads * spec.kv_channels, 512):
+            fp8_quant.quantize_activations_padded(torch.zeros(tokens, k, dtype=torch.bfloat16))
+    variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=torch.bfloat16, fp8=True)
+    for variant in variants:
+        precompile.compile_variant(variant)
+    assert seen["launched"] and not seen["launched"] - seen["compiled"]
