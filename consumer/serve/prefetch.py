@@ -35,6 +35,7 @@ class Prefetcher:
         self.depth = depth
         self.serial = serial
         self._processed = threading.Event()
+        self._closed = threading.Event()  # the loop is done: claim and hand out no more
         self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -42,20 +43,32 @@ class Prefetcher:
             self._thread = threading.Thread(target=self._run, name="tq-prefetch", daemon=True)
             self._thread.start()
 
+    def _ending(self) -> bool:
+        return self.stop.requested or self._closed.is_set()
+
     def _run(self) -> None:
         try:
-            while not self.stop.requested:
+            while not self._ending():
                 entries = self.fetch()
                 if entries:
                     wait = self.serial()
                     self._processed.clear()
-                    self._q.put(entries)
-                    while wait and not self._processed.wait(0.5) and not self.stop.requested:
+                    self._hand_out(entries)
+                    while wait and not self._processed.wait(0.5) and not self._ending():
                         pass
         except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, re-raised there
             self._error = exc
         finally:
-            self._q.put(self._DONE)
+            self._hand_out(self._DONE)
+
+    def _hand_out(self, item: object) -> None:
+        """Queue `item` for the loop; given up once closed (the loop takes no more)."""
+        while not self._closed.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
 
     @property
     def ahead(self) -> bool:
@@ -81,6 +94,10 @@ class Prefetcher:
         self._processed.set()
 
     def close(self) -> None:
-        """Wait for the thread to notice the stop flag."""
+        """Stop claiming and wait for the thread (at most one claim's BLOCK time). After a
+        stop the loop has taken everything; a loop that ended on an error took no more, and
+        what the thread had claimed stays pending in Redis, to be redelivered. (The thread
+        used to claim on until the stop flag, which an error never sets: 30 s of join.)"""
         if self._thread is not None:
+            self._closed.set()
             self._thread.join(timeout=30)
