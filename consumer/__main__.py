@@ -18,6 +18,9 @@ def main() -> int:
     exit with 78 (EX_CONFIG), before any model is loaded: restarting cannot fix them, so
     supervisors should not restart on 78 (docs/operations.md)."""
     started = time.monotonic()  # the start of the "import" phase of time-to-ready
+    from consumer.serve import readahead
+
+    readahead.start()  # the libraries torch is about to load, read ahead on a fresh machine
     from shared.errors import ResultNotStored
     from shared.exitcodes import CONFIG, FAILED
     from shared.log import configure_logging, route_library_logs

@@ -1,0 +1,65 @@
+"""Ask the kernel to read torch's, Triton's and the CUDA libraries' files ahead of the import.
+
+On a fresh machine the page cache is empty, and importing torch (then the CUDA libraries,
+cuDNN, cuBLAS, NCCL: gigabytes of shared objects) reads those files page fault by page fault,
+one library after another. `main()` calls `start` first: a daemon thread tells the kernel
+(posix_fadvise WILLNEED) that every library file will be needed, and the kernel reads them in
+the background, at the disk's full rate, while the interpreter starts importing. On a machine
+that has the files cached already this costs a few milliseconds. No torch import here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+# Where the big shared objects live in each package (a few directories, not a walk of the
+# whole tree: torch holds thousands of files, and the walk would compete with the import).
+PATTERNS = {
+    "torch": ("lib/*.so*",),
+    "triton": ("_C/*.so*", "backends/*/lib/*.so*"),
+    "nvidia": ("*/lib/*.so*",),  # the CUDA wheels: cuBLAS, cuDNN, NCCL, ...
+}
+
+
+def library_files(patterns: dict[str, tuple[str, ...]] = PATTERNS) -> list[Path]:
+    """The shared objects of the packages in `patterns` (found without importing them),
+    largest first: those take longest to read."""
+    files = []
+    for name, globs in patterns.items():
+        spec = importlib.util.find_spec(name)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            files += [p for g in globs for p in Path(root).glob(g) if p.is_file()]
+    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+def advise(files: Iterable[Path]) -> int:
+    """Tell the kernel each file will be read soon; returns the bytes advised."""
+    total = 0
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            total += os.fstat(fd).st_size
+        except OSError:
+            pass  # a file system without readahead: the import reads it as before
+        finally:
+            os.close(fd)
+    return total
+
+
+def start() -> threading.Thread | None:
+    """Advise the libraries' files on a daemon thread (None where the OS has no fadvise)."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    thread = threading.Thread(
+        target=lambda: advise(library_files()), name="tq-readahead", daemon=True
+    )
+    thread.start()
+    return thread

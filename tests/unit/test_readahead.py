@@ -1,0 +1,32 @@
+"""Reading the libraries ahead of the import (consumer/serve/readahead.py): it finds the big
+shared objects of the installed packages without importing them, and advises every byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from consumer.serve import readahead
+
+
+def test_finds_torchs_libraries_largest_first() -> None:
+    """torch's own shared objects are found (from its install directory), largest first."""
+    files = readahead.library_files()
+    assert any(f.name.startswith("libtorch") for f in files)
+    sizes = [f.stat().st_size for f in files]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_advises_every_byte_and_skips_what_cannot_be_opened(tmp_path: Path) -> None:
+    """The bytes advised are the files' sizes; a file gone in the meantime is skipped."""
+    a, b = tmp_path / "liba.so", tmp_path / "libb.so.1"
+    a.write_bytes(b"x" * 1000)
+    b.write_bytes(b"y" * 24)
+    assert readahead.advise([a, b, tmp_path / "gone.so"]) == 1024
+
+
+def test_start_runs_on_a_daemon_thread() -> None:
+    """`start` returns at once; its thread is a daemon (never holds the exit) and finishes."""
+    thread = readahead.start()
+    assert thread is not None and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
