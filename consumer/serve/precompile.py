@@ -256,7 +256,8 @@ def _worker(job: Job, index: int) -> int:
 
     if not torch.cuda.is_available():
         return 0
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    # No set_device: it would create a CUDA context (memory on the GPU the consumer is
+    # loading onto); compiling needs the device's capability only, the same for all of a host.
     from consumer.serve import warmup
 
     spec, fp8 = model_shape(job.model_path)
