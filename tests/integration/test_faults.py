@@ -132,9 +132,18 @@ def test_batches_stay_in_flight_while_results_are_stored(
     ids = client.submit(job_set(12, seed=5))  # queued before the consumer starts: it never waits
     proc = start_consumer(s)
     assert all(r.ok for r in client.wait(ids, timeout=scaled(120)))
+
+    def events() -> list[dict]:
+        lines = proc.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    # A batch's `batch.done` line follows its results: the last one may be on its way.
+    wait_until(
+        lambda: sum(e.get("event") == "batch.done" for e in events()) >= 12,
+        "a batch.done line for each of the 12 batches",
+    )
     open_batches, most, idle = set(), 0, []
-    for line in proc.log_path.read_text().splitlines():  # type: ignore[attr-defined]
-        event = json.loads(line) if line.startswith("{") else {}
+    for event in events():
         if event.get("event") == "batch.start":
             open_batches.add(event["batch_id"])
             most = max(most, len(open_batches))
