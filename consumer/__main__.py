@@ -42,7 +42,7 @@ def main() -> int:
         settings.consumer.compile_cache_dir, settings.redis.home, os.environ
     )
     # The warm-up's kernels compile in other processes while this one imports and loads.
-    precompile = Precompile.start(settings, os.environ)
+    precompile = Precompile.start(settings, os.environ, cache)
     # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from consumer.serve.preflight import UnsafeRedis, preflight

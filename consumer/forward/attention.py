@@ -41,7 +41,6 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from consumer import kernels
 from consumer.tp_ops import to_device
@@ -319,6 +318,10 @@ class SdpaCoreAttention(nn.Module):
         return out.reshape(query.shape[0], -1)
 
     def _sdpa_after_prompt(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # Imported here: torch.nn.attention.bias imports torch's compiler (torch._dynamo), a
+        # second of every consumer's start, for a path only prefix-shared batches take.
+        from torch.nn.attention.bias import causal_lower_right
+
         # Lower-right causal: with r queries and p + r keys, query i sees keys 0..p + i.
         mask = causal_lower_right(q.shape[2], k.shape[2])
         gqa = q.shape[1] != k.shape[1]

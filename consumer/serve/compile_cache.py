@@ -181,6 +181,9 @@ class CompileCache:
     key: dict[str, str] = field(default_factory=dict)
     state: str = "external"  # new, sealed (files checked), rebuilt (was corrupt), external
     sealed_files: frozenset[str] = frozenset()  # what the manifest lists
+    # Digests of the precompile plans (consumer/serve/precompile.py's Job.digest) whose warm-up
+    # ran to the end before a seal: every kernel such a start needs is in the sealed files.
+    plans: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.opened = self.state  # what this start found, for the log and the bench
@@ -189,22 +192,29 @@ class CompileCache:
         """Fields for the start-up log lines."""
         return {"path": str(self.path or ""), "opened": self.opened, "state": self.state}
 
-    def seal(self) -> int:
-        """Write the manifest: every file now in the cache with its checksum (atomically:
-        another process reads the old manifest or the new one). Returns the file count."""
+    def holds(self, plan: str) -> bool:
+        """Whether a start with precompile plan `plan` finds every kernel it needs here."""
+        return self.state == "sealed" and plan in self.plans
+
+    def seal(self, plan: str | None = None) -> int:
+        """Write the manifest after a warm-up that ran to the end: every file now in the cache
+        with its checksum, and `plan` (that start's precompile plan digest) among the plans
+        the cache holds (atomically: another process reads the old manifest or the new one).
+        Returns the file count."""
         if self.path is None:
             return 0
         files = {f.relative_to(self.path).as_posix(): f for f in _files(self.path)}
-        if self.state == "sealed" and set(files) == self.sealed_files:
+        plans = self.plans | ({plan} if plan else set())
+        if self.state == "sealed" and set(files) == self.sealed_files and plans == self.plans:
             return len(files)  # nothing new since the seal this start checked
         entries = {
             rel: {"size": f.stat().st_size, "sha256": _sha256(f)} for rel, f in files.items()
         }
-        body = {"key": self.key, "sealed_at": time.time(), "files": entries}
+        body = {"key": self.key, "sealed_at": time.time(), "files": entries, "plans": sorted(plans)}
         tmp = self.path / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
         os.replace(tmp, self.path / MANIFEST)
-        self.state, self.sealed_files = "sealed", frozenset(entries)
+        self.state, self.sealed_files, self.plans = "sealed", frozenset(entries), frozenset(plans)
         return len(entries)
 
 
@@ -226,12 +236,14 @@ def open_cache(root: Path, key: dict[str, str]) -> CompileCache:
     one set aside and replaced by an empty one), with the variables pointing into it."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / key_name(key)
-    state, listed = "new", frozenset[str]()
+    state, listed, plans = "new", frozenset[str](), frozenset[str]()
     if (path / MANIFEST).is_file():
         found = problems(path, key)
         state = "sealed"
         if not found:
-            listed = frozenset(json.loads((path / MANIFEST).read_text())["files"])
+            manifest = json.loads((path / MANIFEST).read_text())
+            listed = frozenset(manifest["files"])
+            plans = frozenset(manifest.get("plans", ()))
         if found:
             aside = root / f"{path.name}.corrupt-{int(time.time())}-{os.getpid()}"
             with contextlib.suppress(FileNotFoundError):  # another consumer set it aside first
@@ -249,7 +261,7 @@ def open_cache(root: Path, key: dict[str, str]) -> CompileCache:
     os.utime(path)  # in use: not pruned by another machine's consumer
     _prune(root, path, time.time())
     variables = {var: str(path / sub) for var, sub in CACHE_VARIABLES.items()}
-    return CompileCache(variables, path, key, state, listed)
+    return CompileCache(variables, path, key, state, listed, plans)
 
 
 def apply(

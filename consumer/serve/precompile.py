@@ -23,6 +23,7 @@ time: the warm-up compiles what is missing, and one warning line says which work
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -30,9 +31,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
+
+if TYPE_CHECKING:
+    from consumer.serve.compile_cache import CompileCache
 
 log = structlog.get_logger("teacherq.consumer")
 
@@ -58,6 +63,15 @@ class Job:
     def to_json(self) -> str:
         """The job as one JSON argument."""
         return json.dumps(self.__dict__)
+
+    def digest(self) -> str:
+        """What decides the plan, as a short hash: the job less its worker count, with the
+        model's config.json in place of its path (the same model under another path needs
+        the same kernels)."""
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("workers", "model_path")}
+        config = Path(self.model_path or "") / "config.json"
+        fields["config"] = config.read_text() if self.model_path and config.is_file() else None
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -154,11 +168,19 @@ class Precompile:
     """The running workers of one consumer rank."""
 
     def __init__(
-        self, procs: list[subprocess.Popen], started: float, errs: list[IO[bytes]]
+        self,
+        procs: list[subprocess.Popen],
+        started: float,
+        errs: list[IO[bytes]],
+        *,
+        plan: str,
+        skipped: str = "",
     ) -> None:
         self.procs = procs
         self.started = started
         self.errs = errs  # each worker's stderr
+        self.plan = plan  # Job.digest(): sealed into the cache once the warm-up ran
+        self.skipped = skipped  # why no worker was started, if none was
 
     def _last_line(self, i: int) -> str:
         self.errs[i].seek(0)
@@ -166,9 +188,16 @@ class Precompile:
         return lines[-1] if lines else ""
 
     @classmethod
-    def start(cls, settings, environ: os._Environ[str] | dict[str, str]) -> Precompile | None:
+    def start(
+        cls,
+        settings,
+        environ: os._Environ[str] | dict[str, str],
+        cache: CompileCache | None = None,
+    ) -> Precompile | None:
         """Start the workers for this rank (RANK, WORLD_SIZE from torchrun), or None where
-        there is nothing to do: the setting is off, the device is the CPU, or no CUDA."""
+        there is nothing to do: the setting is off, the device is the CPU, or no CUDA. Where
+        the sealed `cache` holds this plan already, no worker starts (they would only load
+        the cache, competing with this process's import for the CPU)."""
         c = settings.consumer
         if not c.precompile or c.device == "cpu":
             log.debug("precompile.skipped", reason="off" if not c.precompile else "device=cpu")
@@ -189,6 +218,9 @@ class Precompile:
             full=c.warmup == "full" or c.warmup == "auto",
             workers=workers,
         )
+        if cache is not None and cache.holds(job.digest()):
+            log.debug("precompile.skipped", reason="the sealed compile cache holds this plan")
+            return cls([], time.monotonic(), [], plan=job.digest(), skipped="cached")
         env = dict(environ)
         argv = [sys.executable, "-m", "consumer.serve.precompile", job.to_json()]
         # stderr to files, not pipes: nobody reads a pipe until the wait, and a worker whose
@@ -208,7 +240,7 @@ class Precompile:
             for i, err in enumerate(errs)
         ]
         log.debug("precompile.started", workers=workers, tp_rank=job.tp_rank)
-        return cls(procs, time.monotonic(), errs)
+        return cls(procs, time.monotonic(), errs, plan=job.digest())
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
         """Wait for every worker (stopping those still running after `timeout_s`); returns
@@ -238,6 +270,7 @@ class Precompile:
             "workers": len(self.procs),
             "failed": len(failed),
             "seconds": round(time.monotonic() - self.started, 3),
+            **({"skipped": self.skipped} if self.skipped else {}),
         }
 
     def stop(self) -> None:
@@ -292,7 +325,6 @@ def _worker(job: Job, index: int) -> int:
 def model_shape(path: str | None) -> tuple[Any, bool]:
     """(ModelSpec, block-scaled FP8 or not) of the checkpoint at `path` (None: the tiny
     preset), from its config.json alone."""
-    from pathlib import Path
 
     from consumer.forward.spec import TINY
 

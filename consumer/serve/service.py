@@ -235,13 +235,13 @@ def compiled_kernels(cache: CompileCache | None) -> int:
     return sum(1 for _ in Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json"))
 
 
-def seal(cache: CompileCache | None) -> int:
+def seal(cache: CompileCache | None, precompile: Precompile | None) -> int:
     """Seal the compile cache after the warm-up (one process per host: LOCAL_RANK 0; the
-    other ranks' kernels are sealed by the next start); returns the files listed, 0 if this
-    process does not seal."""
+    other ranks' kernels are sealed by the next start), with this start's precompile plan
+    among those it holds; returns the files listed, 0 if this process does not seal."""
     if cache is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return 0
-    return cache.seal()
+    return cache.seal(precompile.plan if precompile else None)
 
 
 class CheckpointLoadError(InvalidCheckpoint):
@@ -307,7 +307,7 @@ def run(
         clock.lap("compile")
         compiled_before = compiled_kernels(compile_cache)
         warmed = warmup(scorer, settings)
-        sealed = seal(compile_cache)
+        sealed = seal(compile_cache, precompile)
         clock.lap("warmup")
         log.info(
             "consumer.warmed_up",

@@ -141,3 +141,22 @@ def test_environment_key_names_what_kernels_depend_on(tmp_path: Path) -> None:
     (repo / "consumer" / "kernels" / "k.py").write_text("A = 2\n")
     assert kernels_hash(repo) != before
     assert key_name({**KEY, "kernels": before}) != key_name(KEY)
+
+
+def test_a_seal_records_the_plan_and_the_next_start_finds_it(tmp_path: Path) -> None:
+    """A seal after a full warm-up records that start's precompile plan; a new start reading
+    the cache holds that plan (its workers need not run) and no other; a corrupt cache holds
+    none."""
+    env: dict[str, str] = {}
+    first = apply(tmp_path, tmp_path, env, key=KEY)
+    _compile(env, "k.cubin")
+    assert not first.holds("plan-a")  # new: nothing sealed yet
+    first.seal("plan-a")
+    second = apply(tmp_path, tmp_path, {}, key=KEY)
+    assert second.holds("plan-a") and not second.holds("plan-b")
+    second.seal("plan-b")  # no new file, a new plan: the manifest is rewritten
+    third = apply(tmp_path, tmp_path, {}, key=KEY)
+    assert third.holds("plan-a") and third.holds("plan-b")
+    (Path(env["TRITON_CACHE_DIR"]) / "HASH" / "k.cubin").write_bytes(b"changed")
+    rebuilt = apply(tmp_path, tmp_path, {}, key=KEY)
+    assert rebuilt.state == "rebuilt" and not rebuilt.holds("plan-a")

@@ -12,6 +12,7 @@ RoPE, on real CPU tensors of the model's shapes) must each match a compile of th
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import IO, Any
 
 import pytest
@@ -198,7 +199,7 @@ def _workers(*codes: str) -> precompile.Precompile:
         subprocess.Popen([sys.executable, "-c", code], stderr=err)
         for code, err in zip(codes, errs, strict=True)
     ]
-    return precompile.Precompile(procs, time.monotonic(), errs)
+    return precompile.Precompile(procs, time.monotonic(), errs, plan="test")
 
 
 def test_a_failed_worker_costs_one_warning_line() -> None:
@@ -242,3 +243,36 @@ def test_fp8_plan_covers_the_quantize_launches(seen: dict[str, set], monkeypatch
     for variant in variants:
         precompile.compile_variant(variant)
     assert seen["launched"] and not seen["launched"] - seen["compiled"]
+
+
+def test_no_workers_when_the_sealed_cache_holds_the_plan(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a GPU host whose sealed compile cache holds this start's plan, no worker starts
+    (it would only load the cache while this process imports), and the plan is still known
+    for the seal; a plan the cache does not hold starts workers. (A CUDA host is stood in by
+    the device-node check; the workers are not real here.)"""
+    from consumer.serve.compile_cache import apply
+    from shared.settings import Settings
+
+    monkeypatch.setattr(precompile, "cuda_present", lambda environ: True)
+    started: list[list[str]] = []
+
+    class NoProcess:
+        def __init__(self, argv: list[str], **kwargs: object) -> None:
+            started.append(argv)
+
+    monkeypatch.setattr(precompile.subprocess, "Popen", NoProcess)
+    settings = Settings(consumer={"precompile_workers": 2})
+    cache = apply(tmp_path, tmp_path, {}, key={"torch": "x"})
+    first = precompile.Precompile.start(settings, {}, cache)
+    assert first is not None and len(started) == 2 and not first.skipped
+    cache.seal(first.plan)
+    again = precompile.Precompile.start(
+        settings, {}, apply(tmp_path, tmp_path, {}, key={"torch": "x"})
+    )
+    assert again is not None and again.skipped == "cached" and again.plan == first.plan
+    assert len(started) == 2, "a worker started for a plan the cache holds"
+    assert again.wait(1.0)["skipped"] == "cached"
+    other = Settings(consumer={"precompile_workers": 2}, queue={"max_top_k": 5})
+    assert precompile.Precompile.start(other, {}, cache).skipped == ""  # type: ignore[union-attr]
