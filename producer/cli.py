@@ -315,7 +315,7 @@ def consumer() -> None:
     """Run a consumer in this process (same as `python -m consumer`)."""
     try:
         import consumer.serve.service  # noqa: F401 - loads torch and megatron, which main() needs
-        from consumer.__main__ import main
+        from consumer.__main__ import leave, main
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in ("torch", "megatron"):
             raise
@@ -327,7 +327,7 @@ def consumer() -> None:
         )
         raise typer.Exit(exitcodes.USAGE) from None
 
-    raise typer.Exit(main())
+    leave(main())
 
 
 @app.command("redis")
