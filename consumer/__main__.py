@@ -38,6 +38,13 @@ def main() -> int:
     rank = int(os.environ.get("RANK", 0))
     configure_logging(level=settings.log.level, fmt=settings.log.format, rank=rank)
     route_library_logs(level=settings.log.level)  # megatron's notices: debug lines
+    if rank == 0 and (uncompiled := readahead.without_bytecode()):
+        structlog.get_logger("teacherq.consumer").warning(
+            "consumer.no_bytecode",
+            packages=uncompiled,
+            note="every start compiles their sources (seconds): run `python -m compileall` "
+            "on site-packages once, or unset PYTHONDONTWRITEBYTECODE",
+        )
     from consumer.serve import compile_cache
     from consumer.serve.precompile import Precompile
 

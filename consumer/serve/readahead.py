@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,3 +64,30 @@ def start() -> threading.Thread | None:
     )
     thread.start()
     return thread
+
+
+# The packages whose sources a consumer imports by the thousand: without bytecode each start
+# compiles them again (measured on an H200 host whose torch had none: 11.8 s to import the
+# consumer, 5.0 s with bytecode).
+BYTECODE_PACKAGES = ("torch", "megatron", "triton")
+
+
+def without_bytecode(
+    packages: Iterable[str] = BYTECODE_PACKAGES, *, dont_write: bool | None = None
+) -> list[str]:
+    """The packages among `packages` that have no bytecode for their `__init__` and will get
+    none (PYTHONDONTWRITEBYTECODE set, or their directory not writable): every start compiles
+    their sources. Found without importing them."""
+    if dont_write is None:
+        dont_write = sys.dont_write_bytecode
+    missing = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        cached = Path(importlib.util.cache_from_source(spec.origin))
+        if cached.is_file():
+            continue
+        if dont_write or not os.access(Path(spec.origin).parent, os.W_OK):
+            missing.append(name)
+    return missing

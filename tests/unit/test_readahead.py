@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from consumer.serve import readahead
 
 
@@ -30,3 +32,21 @@ def test_start_runs_on_a_daemon_thread() -> None:
     assert thread is not None and thread.daemon
     thread.join(timeout=60)
     assert not thread.is_alive()
+
+
+def test_packages_without_bytecode_that_will_get_none_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package with no bytecode for its `__init__` is named when none will be written
+    (PYTHONDONTWRITEBYTECODE); once its bytecode exists, or can be written, it is not."""
+    import py_compile
+
+    pkg = tmp_path / "tqpkg_nobytecode"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert readahead.without_bytecode(["tqpkg_nobytecode"], dont_write=True) == ["tqpkg_nobytecode"]
+    assert readahead.without_bytecode(["tqpkg_nobytecode"], dont_write=False) == []
+    py_compile.compile(str(pkg / "__init__.py"))
+    assert readahead.without_bytecode(["tqpkg_nobytecode"], dont_write=True) == []
+    assert readahead.without_bytecode(["no_such_package_here"], dont_write=True) == []
