@@ -358,7 +358,7 @@ class ConsumerSettings(_Section):
 
     precompile_workers: int = Field(default=0, ge=0)
     """Worker processes of `precompile` per rank; 0: the host's cores left by its ranks,
-    shared among them, at most 16."""
+    shared among them, at most 8."""
 
     precompile_timeout_s: float = Field(default=180.0, gt=0)
     """How long a rank waits for its precompile workers before its warm-up (the workers still

@@ -41,7 +41,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("teacherq.consumer")
 
-MAX_WORKERS = 16  # past this, workers wait on one another's imports more than they compile
+# Past this, workers slow the consumer's own import (disk and CPU) more than they speed the
+# compile: a fresh 1.5B start on an H200 host (16 cores) was ready in 23.7 s with 4 workers,
+# 19.0 s with 8 and 21.8 s with 15 (one start each, docs/benchmarks.md, run 6).
+MAX_WORKERS = 8
 FP8_TOKEN_CLASSES = (16, 17)  # token counts Triton tells apart: multiples of 16, and others
 
 
