@@ -3,9 +3,7 @@ consumer processes started for real (`python -m consumer`)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,10 +12,10 @@ from typing import Any
 import pytest
 import redis
 
-from shared.settings import Settings, to_env
+from shared.settings import Settings
 from tests import isolation
-from tests.helpers import REPO, wait_for_consumers
-from tests.processes import Valkey, stop_all
+from tests.helpers import wait_for_consumers
+from tests.processes import Valkey, launch_consumer, stop_all
 from tests.timing import scaled
 
 OUTSIDE_READS = isolation.install()
@@ -140,27 +138,8 @@ def start_consumer(tmp_path: Path) -> Iterator[ConsumerFactory]:
         wait: bool = True,
         nproc: int = 1,
     ) -> subprocess.Popen:
-        env = {**os.environ, **to_env(settings), **(extra_env or {}), "PYTHONPATH": str(REPO)}
-        log = open(tmp_path / f"consumer-{len(procs)}.log", "w")  # noqa: SIM115 - kept open for the process
-        cmd = [sys.executable, "-m", "consumer"]
-        if nproc > 1:  # one replica of nproc ranks, as a user launches it
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                "-m",
-                "consumer",
-            ]
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        proc.log_path = Path(log.name)  # type: ignore[attr-defined]  # for failure messages
+        log = tmp_path / f"consumer-{len(procs)}.log"
+        proc = launch_consumer(settings, tmp_path, log, extra_env=extra_env, nproc=nproc)
         procs.append(proc)
         if wait:
             wait_for_consumers(settings, count=1, proc=proc)

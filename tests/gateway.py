@@ -19,7 +19,7 @@ from shared.messages import TeacherResult
 from shared.redis_server import free_port
 from shared.settings import Settings, to_env
 from tests.helpers import REPO, wait_for_consumers
-from tests.processes import stop_all
+from tests.processes import launch_consumer, stop_all
 from tests.timing import scaled, wait_until
 
 
@@ -124,12 +124,7 @@ def serve_queue(
         consumer={"block_ms": 200, **(consumer or {})},
         log={"format": "json"},
     )
-    env = {**os.environ, **to_env(s), "PYTHONPATH": str(REPO)}
-    log = open(tmp / "consumer.log", "w")  # noqa: SIM115 - kept open for the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "consumer"], env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT
-    )
-    proc.log_path = tmp / "consumer.log"  # type: ignore[attr-defined]  # for failures
+    proc = launch_consumer(s, tmp, tmp / "consumer.log")
     procs = [proc]
     try:
         wait_for_consumers(s, count=1, proc=proc)

@@ -26,6 +26,28 @@ from tests.timing import scaled
 REPO = Path(__file__).resolve().parents[1]
 
 
+def launch_consumer(
+    settings: Settings,
+    cwd: Path,
+    log_path: Path,
+    *,
+    extra_env: dict[str, str] | None = None,
+    nproc: int = 1,
+) -> subprocess.Popen:
+    """A real consumer process (`python -m consumer`; under torchrun with `nproc` ranks, as a
+    user launches one replica of several ranks) on `settings`, its output in `log_path`
+    (also set as the process's `log_path`, for failure messages). Not waited for."""
+    env = {**os.environ, **to_env(settings), **(extra_env or {}), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "consumer"]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={nproc}", "-m", "consumer"]
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
+
+
 def run_cli(
     settings: Settings | None,
     *args: str,

@@ -25,8 +25,15 @@ import redis
 from producer import QueueFull, TeacherClient, TeacherRequest
 from shared import keys
 from shared.settings import Settings, to_env
-from tests.helpers import REPO, ForgetsScripts, K, assert_exactly_once, fast, job_set
-from tests.processes import Valkey, terminate
+from tests.helpers import (
+    REPO,
+    ForgetsScripts,
+    assert_exactly_once,
+    fast,
+    job_set,
+    wait_for_consumers,
+)
+from tests.processes import Valkey, launch_consumer, terminate
 from tests.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
@@ -50,15 +57,28 @@ def assert_same_results(got, want) -> None:
                 )
 
 
-@pytest.fixture
-def fault_free(settings, start_consumer):
-    """Results of the job set from an undisturbed consumer, on a queue of their own."""
-    s = fast(settings.with_queue(f"ref-{uuid.uuid4().hex[:6]}"))
-    proc = start_consumer(s)
-    client = TeacherClient(s)
-    reqs = job_set()
-    results = client.wait(client.submit(reqs), timeout=scaled(120))
-    terminate(proc)
+@pytest.fixture(scope="module")
+def fault_free(redis_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """Results of the job set from an undisturbed consumer, on a queue of their own: computed
+    once for the module's fault tests (the same jobs on the same teacher every time)."""
+    tmp = tmp_path_factory.mktemp("fault-free")
+    s = fast(
+        Settings(
+            redis={"url": redis_url, "home": str(tmp / "home")},
+            queue={"name": f"ref-{uuid.uuid4().hex[:6]}"},
+            storage={"url": f"file://{tmp / 'objects'}"},
+            consumer={"block_ms": 200},
+            log={"format": "json"},
+        )
+    )
+    proc = launch_consumer(s, tmp, tmp / "consumer.log")
+    try:
+        wait_for_consumers(s, count=1, proc=proc)
+        client = TeacherClient(s)
+        reqs = job_set()
+        results = client.wait(client.submit(reqs), timeout=scaled(120))
+    finally:
+        terminate(proc)
     return reqs, results
 
 
@@ -162,8 +182,11 @@ def test_batches_stay_in_flight_while_results_are_stored(
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "hang"])
 def test_poison_jobs_dead_letter_after_k_attempts(mode, settings, start_consumer) -> None:
-    # A fixed consumer name: a restarted consumer first drains its own pending list.
-    s = fast(settings, poison=f"{mode}:{POISON}", name=f"stable-{mode}")
+    # A fixed consumer name: a restarted consumer first drains its own pending list. Two
+    # deliveries (not `fast`'s K): counting across a redelivery is what is proven, and each
+    # delivery of an exiting or hanging poison costs a consumer start.
+    k = 2
+    s = fast(settings, poison=f"{mode}:{POISON}", name=f"stable-{mode}", max_deliveries=k)
     client = TeacherClient(s)
     good = [TeacherRequest(input_ids=[1, 2, 3, i], job_id=f"good-{i}") for i in range(6)]
     poison = TeacherRequest(input_ids=[5, POISON, 6], job_id="poison")
@@ -175,13 +198,13 @@ def test_poison_jobs_dead_letter_after_k_attempts(mode, settings, start_consumer
     assert by_id["poison"].error, "the waiter gets the error, not a timeout"
     [(_, dead)] = client.r.xrange(keys.dead_stream(s.queue.name))
     assert dead[b"job_id"] == b"poison"
-    assert int(dead[b"attempts"]) == K
+    assert int(dead[b"attempts"]) == k
     if mode == "raise":
         assert dead[b"exception"] == b"InjectedFault"
         assert len(sup.procs) == 1  # a raising job never takes the consumer down
     else:
         assert dead[b"exception"] == b"TooManyDeliveries"
-        assert len(sup.procs) >= K + 1  # each attempt killed (or hung) a consumer
+        assert len(sup.procs) >= k + 1  # each attempt killed (or hung) a consumer
     assert_exactly_once(client, ids, dead={"poison"})
 
 
@@ -363,7 +386,9 @@ def test_a_script_call_meeting_noscript_is_made_again(r: redis.Redis) -> None:
     assert int(r.get(key)) == 2
 
 
-def test_redis_killed_and_restarted(settings, start_consumer, own_redis) -> None:
+def test_redis_killed_and_restarted(settings, own_redis, start_consumer) -> None:
+    # own_redis before start_consumer: torn down after it, so the consumer stops with its
+    # Redis still there (the other way it drained for its grace against a dead server).
     url = own_redis.url
     s = fast(settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})}))
     client = TeacherClient(s)
