@@ -337,6 +337,12 @@ def _candidates_kernel(
     tl.store(rest_ptr + row * 2 + 1, u)
 
 
+def samples_per_program(n: int) -> int:
+    """Samples one step-1 program draws for a call with `n` samples (1 without samples): the
+    compile-time `NS`, so calls whose counts give the same value share a kernel variant."""
+    return min(CONFIG.samples_per_program, triton.next_power_of_2(n)) if n else 1
+
+
 @dataclass(frozen=True)
 class _Layout:
     """How step 1 covers a shard's rows: parts per row, blocks per part, sample programs."""
@@ -353,7 +359,7 @@ class _Layout:
     def of(start: int, valid: int, chunk_rows: int, n: int) -> _Layout:
         cfg = CONFIG
         offset, n_blocks = block_layout(start, valid)
-        ns = min(cfg.samples_per_program, triton.next_power_of_2(n)) if n else 1
+        ns = samples_per_program(n)
         per_row = triton.cdiv(n, ns) if n else 1
         steps = triton.cdiv(n_blocks, cfg.blocks_per_step)
         want = max(1, min(triton.cdiv(cfg.target_programs, max(chunk_rows * per_row, 1)), steps))

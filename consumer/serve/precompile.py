@@ -105,17 +105,18 @@ def plan(spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool) -
     model `spec` (consumer/forward/spec.py) with `dtype` parameters; `fp8`: its linears run
     block-scaled FP8. Variants that compile to the same kernel appear once."""
     from consumer.head_common import VocabShard
+    from consumer.kernels.rowstats import samples_per_program
 
     per_rank = spec.padded_vocab_size(tp) // tp
     shard = VocabShard(start=tp_rank * per_rank, size=per_rank, vocab_size=spec.vocab_size)
     variants: dict[Variant, None] = {}
     for n, top_k, entropy in head_calls(batches):
-        # Sample counts share a kernel by samples per program (a power of two up to 16), and
-        # top-k values share one: the kernels specialise on neither (rowstats.py).
+        # Sample counts share a kernel by samples per program, and top-k values share one:
+        # the kernels specialise on neither count (rowstats.py).
         params: tuple[tuple[str, Any], ...] = (
             ("shard", shard),
             ("dtype", dtype),
-            ("n", min(16, 1 << (n - 1).bit_length()) if n else 0),
+            ("n", samples_per_program(n) if n else 0),
             ("top_k", 1 if top_k else 0),
             ("want_entropy", entropy),
         )
@@ -221,9 +222,10 @@ class Precompile:
             full=c.warmup == "full" or c.warmup == "auto",
             workers=workers,
         )
-        if cache is not None and cache.holds(job.digest()):
+        plan = job.digest()  # reads the model's config.json: once
+        if cache is not None and cache.holds(plan):
             log.debug("precompile.skipped", reason="the sealed compile cache holds this plan")
-            return cls([], time.monotonic(), [], plan=job.digest(), skipped="cached")
+            return cls([], time.monotonic(), [], plan=plan, skipped="cached")
         env = dict(environ)
         argv = [sys.executable, "-m", "consumer.serve.precompile", job.to_json()]
         # stderr to files, not pipes: nobody reads a pipe until the wait, and a worker whose
@@ -243,7 +245,7 @@ class Precompile:
             for i, err in enumerate(errs)
         ]
         log.debug("precompile.started", workers=workers, tp_rank=job.tp_rank)
-        return cls(procs, time.monotonic(), errs, plan=job.digest())
+        return cls(procs, time.monotonic(), errs, plan=plan)
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
         """Wait for every worker (stopping those still running after `timeout_s`); returns
