@@ -64,9 +64,12 @@ TINY_SIZES = {
 _TINY_ROPE = {"factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def shape(name: str, *, tiny: bool = False, layers: int | None = None) -> dict:
+def shape(
+    name: str, *, tiny: bool = False, layers: int | None = None, dense: int | None = None
+) -> dict:
     """The config.json fields of shape `name`, cut to `layers` (default: DEFAULT_LAYERS[name];
-    `tiny`: the same structure in a few MB, all its layers)."""
+    `tiny`: the same structure in a few MB, all its layers); `dense`: how many of the first
+    layers are dense (default the shape's own `first_k_dense_replace`)."""
     cfg = {k: v for k, v in SHAPES[name].items() if k != "rope_parameters"}
     rope = dict(SHAPES[name]["rope_parameters"])
     if tiny:
@@ -79,6 +82,8 @@ def shape(name: str, *, tiny: bool = False, layers: int | None = None) -> dict:
     layers = layers or (None if tiny else DEFAULT_LAYERS[name])
     if layers:
         cfg["num_hidden_layers"] = layers
+    if dense is not None:
+        cfg["first_k_dense_replace"] = dense
     cfg["rope_parameters"] = rope
     return cfg
 

@@ -206,11 +206,13 @@ MODELS = {
 }
 
 
-def _frontier(name: str, *, tiny: bool = False, layers: int | None = None) -> dict:
+def _frontier(
+    name: str, *, tiny: bool = False, layers: int | None = None, dense: int | None = None
+) -> dict:
     """A DeepSeek-V3 or GLM-4.5-Air shape of bench/gpu_moe.py (bench/gpu_common.py), cut to
     `layers` (default: its depth there, 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a
     few MB of the same build)."""
-    cfg = shape(name, tiny=tiny, layers=layers)
+    cfg = shape(name, tiny=tiny, layers=layers, dense=dense)
     cfg["architectures"] = [
         {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
             cfg["model_type"]
@@ -227,6 +229,9 @@ FRONTIER = {  # added to MODELS by main(): building them needs transformers
     "glm-4.5-air": {"name": "glm-4.5-air"},
     # 3 dense + 4 sparse layers (~95 GB bf16): the sparse layers' share closer to the model's
     "deepseek-v3-7l": {"name": "deepseek-v3", "layers": 7},
+    # 1 dense + 3 sparse layers (~72 GB bf16): more sparse than dense, as the real model's
+    # 3 + 58 is, so the expert layer sets the pace
+    "deepseek-v3-sparse": {"name": "deepseek-v3", "layers": 4, "dense": 1},
     "tiny-deepseek": {"name": "deepseek-v3", "tiny": True},
 }
 

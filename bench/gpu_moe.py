@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import tempfile
@@ -73,6 +74,20 @@ from bench.gpu_common import (
 )
 
 
+def _sweep():
+    from consumer.kernels.expert_gemm import Tiles
+
+    return [
+        Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),
+        Tiles(bm=128, bn=128, bk=64, warps=8, stages=4),
+        Tiles(bm=128, bn=128, bk=64, warps=4, stages=4),
+        Tiles(bm=64, bn=128, bk=64, warps=4, stages=4),
+        Tiles(bm=128, bn=256, bk=64, warps=8, stages=3),
+        Tiles(bm=128, bn=64, bk=64, warps=4, stages=4),
+        Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=4),
+    ]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -83,8 +98,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=2, help="timed passes (after one warm-up)")
     p.add_argument("--label-only", action="store_true", help="teacherq: next-token only")
     p.add_argument("--gemm-only", action="store_true", help="time the expert FFN alone")
+    p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
+    p.add_argument("--dense-layers", type=int, default=None, help="dense first layers")
+    p.add_argument("--profile", action="store_true", help="teacherq's top kernels (CUDA)")
+    p.add_argument("--skip-hf", action="store_true", help="teacherq alone")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
+
+
+def cut(args: argparse.Namespace) -> dict:
+    """The config.json fields of the shape and depth the arguments ask for."""
+    return shape(args.shape, tiny=args.tiny, layers=args.layers, dense=args.dense_layers)
 
 
 def hf_config(cfg: dict):
@@ -200,68 +224,143 @@ def run_teacherq(model, spec, layout, docs, args, device) -> tuple[float, list[n
     return seconds, [results[f"d{i}"] for i in range(len(docs))]
 
 
+def versions() -> dict:
+    """The software a figure was measured with."""
+    import platform
+
+    import transformers
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": device}  # fmt: skip
+
+
+def profile_pass(model, spec, layout, docs, args, device, top: int = 25) -> list[dict]:
+    """One teacherq pass under torch's profiler: its `top` kernels by device time, with each
+    one's share of the pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_teacherq(
+            model, spec, layout, docs, argparse.Namespace(**{**vars(args), "iters": 1}), device
+        )
+    events = [ev for ev in prof.key_averages() if ev.device_time_total > 0]
+    total = sum(ev.self_device_time_total for ev in events) or 1.0
+    events.sort(key=lambda ev: ev.self_device_time_total, reverse=True)
+    return [{"kernel": ev.key[:120], "calls": ev.count, "ms": ev.self_device_time_total / 1e3,
+             "share": ev.self_device_time_total / total} for ev in events[:top]]  # fmt: skip
+
+
+def _time_path(fn, want: torch.Tensor, device: torch.device, iters: int, flops: float) -> dict:
+    """One path of --gemm-only: its time, throughput and largest difference from `want`."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        got = fn().float()
+        seconds = _timed(fn, device, iters)
+    except (RuntimeError, ValueError, CompilationError, OutOfResources) as exc:  # a tile shape
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}  # that does not build here
+    return {
+        "ms": 1e3 * seconds,
+        "tflops": flops / seconds / 1e12,
+        "max_abs_diff_vs_hf": (got - want).abs().max().item(),
+    }
+
+
 def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
-    """Expert FFN of one layer on routed tokens: ours vs transformers' Qwen3MoeExperts (the
-    same expert math as DeepSeek-V3's and GLM-4.5's) at the shape's expert sizes."""
+    """Expert FFN of one layer on routed tokens, at the shape's expert sizes, on the same
+    weights and routing: transformers' experts (Qwen3MoeExperts, the same expert math as
+    DeepSeek-V3's and GLM-4.5's; grouped_mm on CUDA), our unfused path (a gather, torch's
+    grouped GEMM, SwiGLU, the weights and a scatter), the fused Triton kernels in bf16
+    (consumer/kernels/expert_gemm.py; `--sweep`: other tile shapes too) and in FP8 with the
+    weights block-quantized (against the same quantized operands in float32, and against the
+    bf16 weights they came from)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from consumer.checkpoints.hf_config import spec_from_hf_config
-    from consumer.forward.moe_gemm import grouped_available, swiglu_experts
+    from consumer.forward import moe_gemm
+    from consumer.kernels import expert_gemm
 
     spec = spec_from_hf_config(
-        hf_config(shape(args.shape, tiny=args.tiny, layers=args.layers)).to_dict()
+        hf_config(
+            shape(args.shape, tiny=args.tiny, layers=args.layers, dense=args.dense_layers)
+        ).to_dict()
     )
-    cfg = {"hidden_size": spec.hidden_size, "num_experts": spec.num_experts,
-           "top_k": spec.moe_top_k, "moe_intermediate_size": spec.moe_ffn_hidden_size}  # fmt: skip
+    h, e, k, f = spec.hidden_size, spec.num_experts, spec.moe_top_k, spec.moe_ffn_hidden_size
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = args.tokens_per_forward if device.type == "cuda" else 256
     config = Qwen3MoeConfig(
-        hidden_size=cfg["hidden_size"],
-        num_experts=cfg["num_experts"],
-        num_experts_per_tok=cfg["top_k"],
-        moe_intermediate_size=cfg["moe_intermediate_size"],
+        hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f
     )
     # what a whole model picks by default: grouped_mm where it dispatches, eager otherwise
     config._experts_implementation = "grouped_mm" if device.type == "cuda" else "eager"
     experts = Qwen3MoeExperts(config).to(device=device, dtype=dtype)
     randomize(experts, args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    x = torch.randn(tokens, cfg["hidden_size"], device=device, dtype=dtype, generator=gen)
-    logits = torch.randn(tokens, cfg["num_experts"], device=device, generator=gen)
-    weights, ids = torch.topk(torch.softmax(logits, -1), cfg["top_k"], dim=-1)
+    x = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)
+    logits = torch.randn(tokens, e, device=device, generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    flat = ids.reshape(-1)
+    picks = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    rows = torch.div(picks, k, rounding_mode="floor")
+    fc1, fc2 = experts.gate_up_proj, experts.down_proj  # [E, 2f, h], [E, h, f]
+    if fc1.shape[-1] != h:  # an older transformers stores them transposed
+        fc1, fc2 = fc1.transpose(1, 2).contiguous(), fc2.transpose(1, 2).contiguous()
+    quantized = {}
+    if device.type == "cuda" and f % 128 == 0 and h % 128 == 0:
+        (q1, s1), (q2, s2) = (moe_gemm._quantize_experts(w) for w in (fc1, fc2))
+        quantized = {"fc1": q1, "fc2": q2, "fc1_scale": s1, "fc2_scale": s2}
 
-    def ours() -> torch.Tensor:
-        flat = ids.reshape(-1)
-        picks = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=cfg["num_experts"])
-        rows = torch.div(picks, cfg["top_k"], rounding_mode="floor")
-        y = swiglu_experts(x[rows], experts.gate_up_proj, experts.down_proj, counts)
-        y = y * weights.reshape(-1)[picks, None]
-        full = torch.empty_like(y)
-        full[picks] = y  # as TeacherMoE combines: a sum over each token's k rows
-        return full.view(tokens, cfg["top_k"], -1).sum(dim=1)
+    def ours(path: str, tiles=None, fp8: bool = False) -> torch.Tensor:
+        out = torch.empty(tokens * k, h, device=device, dtype=dtype)
+        w1, w2 = (quantized["fc1"], quantized["fc2"]) if fp8 else (fc1, fc2)
+        scales = {n: quantized[n] for n in ("fc1_scale", "fc2_scale")} if fp8 else {}
+        if tiles is None:
+            moe_gemm.routed_swiglu(
+                x, rows, picks, weights.reshape(-1), counts, w1, w2, out, path=path, **scales
+            )
+        else:  # a tile shape of the sweep
+            row_start, tile_end = expert_gemm.schedule(counts, tiles.bm)
+            hh, _ = expert_gemm.gate_up(x, rows, w1, row_start, tile_end, tiles=tiles)
+            expert_gemm.down(hh, w2, row_start, tile_end, picks, weights.reshape(-1), out,
+                             tiles=tiles)  # fmt: skip
+        return out.view(tokens, k, h).sum(dim=1)
 
     def theirs() -> torch.Tensor:
         return experts(x, ids, weights)
 
+    flops = 2 * tokens * k * 3 * h * f
+    report: dict = {"tokens": tokens, "experts": e, "top_k": k, "hidden": h, "ffn": f,
+                    "hf_experts_implementation": config._experts_implementation}  # fmt: skip
+    iters = max(args.iters, 5)
     with torch.inference_mode():
-        diff = (ours().float() - theirs().float()).abs().max().item()
-        t_ours = _timed(ours, device, max(args.iters, 5))
-        t_hf = _timed(theirs, device, max(args.iters, 5))
-    flops = 2 * tokens * cfg["top_k"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
-    return {
-        "tokens": tokens,
-        "grouped_gemm": grouped_available(device.type, device.index, dtype),
-        "hf_experts_implementation": config._experts_implementation,
-        "max_abs_diff": diff,
-        "teacherq_ms": 1e3 * t_ours,
-        "hf_ms": 1e3 * t_hf,
-        "speedup": t_hf / t_ours,
-        "teacherq_tflops": flops / t_ours / 1e12,
-        "hf_tflops": flops / t_hf / 1e12,
-    }
+        want = theirs().float()
+        paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
+        if device.type == "cuda":
+            paths["triton"] = lambda: ours("triton")
+            sweep = _sweep() if args.sweep else []
+            paths |= {f"triton {t}": functools.partial(ours, "triton", t) for t in sweep}
+            if quantized:
+                paths["triton_fp8"] = lambda: ours("triton", fp8=True)
+        for name, fn in paths.items():
+            report[name] = _time_path(fn, want, device, iters, flops)
+        if quantized:
+            emulated = ours("unfused", fp8=True).float()
+            got = ours("triton", fp8=True).float()
+            report["fp8_error"] = {
+                "kernel_vs_emulated_max_abs": (got - emulated).abs().max().item(),
+                "fp8_vs_bf16_rel": ((got - want).norm() / want.norm()).item(),
+            }
+    for name in report:
+        if isinstance(report[name], dict) and "ms" in report[name] and name != "hf":
+            report[name]["speedup_vs_hf"] = report["hf"]["ms"] / report[name]["ms"]
+    return report
 
 
 def main() -> None:
@@ -280,7 +379,7 @@ def main() -> None:
 
     cpu_compat.apply()
     layout = init_parallel(tp=1, pp=1)
-    cfg = shape(args.shape, tiny=args.tiny, layers=args.layers)
+    cfg = cut(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     docs = documents(cfg, args)
     lengths = [len(d) for d in docs]
@@ -288,7 +387,9 @@ def main() -> None:
     spec = spec_from_hf_config(config.to_dict())
     flops = active_flops(spec, lengths)
     report: dict = {"device": str(device), "shape": args.shape,
-                    "layers": cfg["num_hidden_layers"], "tokens": sum(lengths)}  # fmt: skip
+                    "layers": cfg["num_hidden_layers"],
+                    "dense_layers": cfg.get("first_k_dense_replace"),
+                    "tokens": sum(lengths), "versions": versions()}  # fmt: skip
 
     tmp = None
     if args.tiny:  # one checkpoint for both paths: their log-probs must agree
@@ -310,10 +411,15 @@ def main() -> None:
         "peak_gib": _peak_gib(device),
         "outputs": "label" if args.label_only else f"top-{TOP_K}, {SAMPLES} samples, entropy",
     }
+    if args.profile and device.type == "cuda":
+        report["teacherq_profile"] = profile_pass(model, spec, layout, docs, args, device)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    if args.skip_hf:
+        print(json.dumps(report, indent=2))
+        return
 
     if args.tiny:
         assert tmp is not None

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from consumer.forward.moe_gemm import swiglu, swiglu_experts
+from consumer.forward.moe_gemm import routed_swiglu, swiglu
 from consumer.forward.spec import ModelSpec
 
 # The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
@@ -116,6 +116,10 @@ class TeacherMoE(torch.nn.Module):
             self.router_bias = torch.nn.Parameter(bias)
         self.experts_fc1 = torch.nn.Parameter(torch.empty(self.num_local, 2, f, h, dtype=dtype))
         self.experts_fc2 = torch.nn.Parameter(torch.empty(self.num_local, h, f, dtype=dtype))
+        # FP8 checkpoints: the experts' float32 block scales (fc1's [E_local, 2 f_l/128, h/128],
+        # fc2's [E_local, h/128, f_l/128]) when their weights are held in float8_e4m3fn
+        self.register_buffer("experts_fc1_scale", None, persistent=False)
+        self.register_buffer("experts_fc2_scale", None, persistent=False)
         self.shared = spec.moe_shared_ffn_hidden_size > 0
         self.shared_gated = self.shared and (family is None or family.shared_expert == "gated")
         if self.shared:
@@ -177,16 +181,32 @@ class TeacherMoE(torch.nn.Module):
         counts = torch.zeros(self.num_local, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert))
         tokens = torch.div(picks, self.top_k, rounding_mode="floor")
-        fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
-        y = swiglu_experts(x[tokens], fc1, self.experts_fc2, counts)
-        y = (y * weights.reshape(-1)[picks, None]).to(x.dtype)
-        # back to [token, choice] order, then a sum over each token's k choices: deterministic
-        # (an index_add_ of the k rows would race on CUDA atomics)
+        # each routed row lands at its [token, choice] row, then a sum over each token's k
+        # choices: deterministic (an index_add_ of the k rows would race on CUDA atomics)
         full = (
-            x.new_zeros(flat.shape[0], x.shape[-1]) if self.layout.ep > 1 else torch.empty_like(y)
+            x.new_zeros(flat.shape[0], x.shape[-1])
+            if self.layout.ep > 1
+            else x.new_empty(flat.shape[0], x.shape[-1])
         )
-        full[picks] = y
+        routed_swiglu(
+            x,
+            tokens,
+            picks,
+            weights.reshape(-1),
+            counts,
+            self.experts_fc1.flatten(1, 2),  # [E_local, 2 f_l, h]: [gate; up] rows
+            self.experts_fc2,
+            full,
+            fc1_scale=self.expert_scale("fc1"),
+            fc2_scale=self.expert_scale("fc2"),
+        )
         return full.view(x.shape[0], self.top_k, x.shape[-1]).sum(dim=1)
+
+    def expert_scale(self, which: str) -> torch.Tensor | None:
+        """The block scales of the experts' `which` ("fc1", "fc2") weights when they are held
+        in FP8, else None."""
+        scale = getattr(self, f"experts_{which}_scale")
+        return scale if isinstance(scale, torch.Tensor) else None
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # megatron's MLP call
         shape = hidden_states.shape

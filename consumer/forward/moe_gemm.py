@@ -1,11 +1,19 @@
 """The expert GEMMs of a mixture-of-experts layer: SwiGLU FFNs of many experts over their tokens.
 
-Rows arrive sorted by expert, `counts[e]` rows for local expert e. On CUDA the grouped GEMM
-torch provides (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` in older releases) runs
-every expert in one kernel per projection, without a host sync on the counts; it is used only
-where a feature test on the device passes (dtype, architecture). Elsewhere a loop over experts
-computes the same thing with one pair of matmuls per expert that has rows. SwiGLU is the fused
-kernel the dense MLP uses on CUDA (consumer/kernels/swiglu.py), PyTorch elsewhere.
+`routed_swiglu` is what TeacherMoE calls: the tokens' rows sorted by expert, each expert's
+FFN, the routing weight, and each result stored at its [token, choice] row. On CUDA it runs
+the fused Triton grouped GEMMs (`consumer/kernels/expert_gemm.py`: the gather, SwiGLU, the
+weight and the scatter inside the two GEMMs), in bf16 or, for an FP8 checkpoint's
+block-quantized experts, in FP8. `path="unfused"` is the reference it is tested against: a
+gather, `swiglu_experts`, a multiply and a scatter (FP8 experts: the same quantized operands
+expanded by their scales and multiplied in float32).
+
+Below that, rows arrive sorted by expert, `counts[e]` rows for local expert e. On CUDA the
+grouped GEMM torch provides (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` in older
+releases) runs every expert in one kernel per projection, without a host sync on the counts; it
+is used only where a feature test on the device passes (dtype, architecture). Elsewhere a loop
+over experts computes the same thing with one pair of matmuls per expert that has rows. SwiGLU
+is the fused kernel the dense MLP uses on CUDA (consumer/kernels/swiglu.py), PyTorch elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from consumer import kernels
+from consumer.forward import fp8_gemm
 
 
 def _grouped_mm_fn() -> Callable[..., torch.Tensor] | None:
@@ -86,9 +95,150 @@ def swiglu_experts(
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of rows [gate | up]: the fused kernel on CUDA (consumer/kernels)."""
+    """silu(gate) * up of rows [gate | up]: the fused kernel on CUDA (consumer/kernels);
+    elsewhere PyTorch, in float32 for 16-bit rows and rounded once, as that kernel does."""
     fused = kernels.load(h.device)
     if fused is not None and h.shape[0] > 0:
         return fused.swiglu(h)
     gate, up = h.chunk(2, dim=-1)
+    if h.dtype in (torch.bfloat16, torch.float16):  # rounded once, as the fused kernel does
+        return (F.silu(gate.float()) * up.float()).to(h.dtype)
     return F.silu(gate) * up
+
+
+def routed_swiglu(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    dst: torch.Tensor,
+    weights: torch.Tensor,
+    counts: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    fc1_scale: torch.Tensor | None = None,
+    fc2_scale: torch.Tensor | None = None,
+    path: str = "auto",
+) -> None:
+    """out[dst[i]] = weights[dst[i]] * FFN_e(x[rows[i]]) for the R rows i sorted by expert
+    (`counts[e]` rows of local expert e, in order); other rows of `out` are left alone.
+
+    x [T, h]; rows, dst [R] (int64: a token of x, a row of out and of the flat `weights`);
+    fc1 [E, 2f, h] = [gate; up] rows, fc2 [E, h, f]: bf16/fp16, or float8_e4m3fn with
+    `fc1_scale` [E, 2f/128, h/128] and `fc2_scale` [E, h/128, f/128] (a block-quantized
+    checkpoint's `weight_scale_inv`). `path`: "auto" (the fused Triton kernels where
+    `fused_available`, else "unfused"), "triton" or "unfused"."""
+    fp8 = fc1_scale is not None
+    if path == "auto":
+        path = "triton" if x.is_cuda and fused_available(x.device, x.dtype, fp8) else "unfused"
+    if path == "triton":
+        _fused(x, rows, dst, weights, counts, fc1, fc2, out, fc1_scale, fc2_scale)
+    elif path == "unfused":
+        if fc1_scale is not None and fc2_scale is not None:
+            y = _fp8_emulated(x[rows], fc1, fc1_scale, fc2, fc2_scale, counts, x.dtype)
+        else:
+            y = swiglu_experts(x[rows], fc1, fc2, counts)
+        out[dst] = (y * weights[dst, None]).to(out.dtype)
+    else:
+        raise ValueError(f"path must be 'auto', 'triton' or 'unfused', got {path!r}")
+
+
+def _fused(x, rows, dst, weights, counts, fc1, fc2, out, fc1_scale, fc2_scale) -> None:
+    from consumer.kernels import expert_gemm as eg
+
+    fp8 = fc1_scale is not None
+    tiles = eg.FP8_TILES if fp8 else eg.BF16_TILES
+    row_start, tile_end = eg.schedule(counts, tiles.bm)
+    x_scale = None
+    if fp8:
+        x, x_scale = _quantize(x)
+    h, h_scale = eg.gate_up(
+        x, rows, fc1, row_start, tile_end, x_scale=x_scale, fc1_scale=fc1_scale,
+        dtype=out.dtype, tiles=tiles,
+    )  # fmt: skip
+    eg.down(
+        h, fc2, row_start, tile_end, dst, weights, out, h_scale=h_scale, fc2_scale=fc2_scale,
+        tiles=tiles,
+    )  # fmt: skip
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x per token and 128-channel group: the one-pass kernel on CUDA, PyTorch ops elsewhere."""
+    fused = kernels.load(x.device)
+    if fused is not None:
+        return fused.fp8_quantize(x)
+    return fp8_gemm.quantize_activations(x)
+
+
+def _fp8_emulated(
+    x: torch.Tensor,
+    fc1: torch.Tensor,
+    fc1_scale: torch.Tensor,
+    fc2: torch.Tensor,
+    fc2_scale: torch.Tensor,
+    counts: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The FP8 expert FFN from its quantized operands expanded by their scales, in float32:
+    each product rounded to `dtype`, SwiGLU's output quantized per row and 128 columns."""
+    out = x.new_empty(x.shape[0], fc2.shape[1], dtype=dtype)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            part = x[start : start + n]
+            q, s = fp8_gemm.quantize_activations(part)
+            up = fp8_gemm.emulated_block_linear(q, s, fc1[e], fc1_scale[e], dtype)
+            h = swiglu(up)
+            q, s = fp8_gemm.quantize_activations(h)
+            out[start : start + n] = fp8_gemm.emulated_block_linear(
+                q, s, fc2[e], fc2_scale[e], dtype
+            )
+        start += n
+    return out
+
+
+@functools.cache
+def fused_available(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> bool:
+    """Whether the fused Triton expert GEMMs run on `device` for activations of `dtype` (FP8
+    weights: block-quantized, sm90+), checked once against the unfused path."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if fp8 and (torch.cuda.get_device_capability(device)[0] < 9 or dtype != torch.bfloat16):
+        return False
+    if kernels.load(device) is None:
+        return False
+    try:
+        return _probe(device, dtype, fp8)
+    except (RuntimeError, ValueError, ImportError):  # Triton cannot build it here
+        return False
+
+
+def _probe(device: torch.device, dtype: torch.dtype, fp8: bool) -> bool:
+    gen = torch.Generator(device=device).manual_seed(0)
+    t, k, h, f, e = 24, 2, 256, 128, 3
+    x = torch.randn(t, h, device=device, dtype=dtype, generator=gen)
+    fc1 = torch.randn(e, 2 * f, h, device=device, generator=gen) / 16
+    fc2 = torch.randn(e, h, f, device=device, generator=gen) / 16
+    scales = {}
+    if fp8:
+        (fc1, s1), (fc2, s2) = (_quantize_experts(w) for w in (fc1, fc2))
+        scales = {"fc1_scale": s1, "fc2_scale": s2}
+    else:
+        fc1, fc2 = fc1.to(dtype), fc2.to(dtype)
+    ids = torch.randint(0, e - 1, (t * k,), device=device, generator=gen)  # expert 2 gets none
+    dst = torch.argsort(ids, stable=True)
+    counts = torch.zeros(e, dtype=torch.int64, device=device).scatter_add_(
+        0, ids[dst], torch.ones_like(dst)
+    )
+    weights = torch.rand(t * k, device=device, generator=gen)
+    got, want = (torch.zeros(t * k, h, device=device, dtype=dtype) for _ in range(2))
+    args = (x, dst // k, dst, weights, counts, fc1, fc2)
+    routed_swiglu(*args, got, path="triton", **scales)
+    routed_swiglu(*args, want, path="unfused", **scales)
+    return bool(torch.allclose(got.float(), want.float(), rtol=3e-2, atol=3e-2))
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a stack of expert weights [E, N, K] as FP8 checkpoints store them."""
+    pairs = [fp8_gemm.quantize_weight(part) for part in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])

@@ -166,3 +166,86 @@ def test_sampling_kernel_matches_the_reference(start, valid, width, n, per_progr
 @pytest.mark.parametrize(("top_k", "want_entropy", "bf16"), [(20, 1, 1), (64, 0, 0), (0, 1, 1)])
 def test_fused_head_matches_the_reference_path(top_k, want_entropy, bf16):
     _run(HEAD, top_k, want_entropy, bf16)
+
+
+# The fused expert GEMMs (consumer/kernels/expert_gemm.py) against the unfused path. Triton's
+# interpreter stores bf16 and FP8 as raw bits: its dot would multiply bf16 bit patterns as
+# integers and its float casts truncate, so here bf16 operands are widened for the dot and
+# casts between float32, bf16, fp16 and FP8 round to nearest even as the GPU does.
+EXPERTS = textwrap.dedent(
+    """
+    import triton.language as tl
+
+    from consumer.forward import moe_gemm
+
+    bits = {tl.float32: (torch.float32, np.float32, torch.float32),
+            tl.float16: (torch.float16, np.float16, torch.float16),
+            tl.bfloat16: (torch.bfloat16, np.uint16, torch.int16),
+            tl.float8e4nv: (torch.float8_e4m3fn, np.uint8, torch.uint8)}
+    convert = interpreter._convert_float
+
+    def rounded(data, src, dst, rounding_mode):
+        if src not in bits or dst not in bits:
+            return convert(data, src, dst, rounding_mode)
+        (s_torch, s_np, _), (d_torch, d_np, d_raw) = bits[src], bits[dst]
+        t = torch.from_numpy(np.ascontiguousarray(data).view(s_np).copy()).view(s_torch)
+        return t.to(d_torch).view(d_raw).numpy().view(d_np)
+
+    interpreter._convert_float = rounded
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened_dot(self, a, b, d, *rest):
+        def widen(h):
+            if h.dtype.scalar != tl.bfloat16:
+                return h
+            wide = (h.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(wide, tl.float32)
+
+        return dot(self, widen(a), widen(b), d, *rest)
+
+    interpreter.InterpreterBuilder.create_dot = widened_dot
+
+    tokens, k, hidden, ffn, experts, empty, fp8, half = args
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    dtype = torch.float16 if half else torch.bfloat16
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w1 = torch.randn(experts, 2 * ffn, hidden, generator=gen) / 16
+    w2 = torch.randn(experts, hidden, ffn, generator=gen) / 16
+    scales = {}
+    if fp8:
+        (fc1, s1), (fc2, s2) = (moe_gemm._quantize_experts(w) for w in (w1, w2))
+        scales = {"fc1_scale": s1, "fc2_scale": s2}
+    else:
+        fc1, fc2 = w1.to(dtype), w2.to(dtype)
+    ids = torch.randint(0, experts, (tokens * k,), generator=gen)
+    ids[ids == empty] = (empty + 1) % experts  # an expert with no rows
+    dst = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts)
+    weights = torch.rand(tokens * k, generator=gen)
+    got, want = (torch.full((tokens * k, hidden), float("nan"), dtype=dtype) for _ in "ab")
+    call = (x, dst // k, dst, weights, counts, fc1, fc2)
+    moe_gemm.routed_swiglu(*call, got, path="triton", **scales)
+    moe_gemm.routed_swiglu(*call, want, path="unfused", **scales)
+    assert not got.isnan().any(), "a routed row was never written"
+    diff = (got.float() - want.float()).abs()
+    scale = want.float().abs().max().item()
+    # FP8: the sums run in another order, which can move one rounding of SwiGLU's output
+    assert diff.max().item() <= (0.03 if fp8 else 0.01) * scale, (diff.max(), scale)
+    assert diff.mean().item() <= 1e-3 * scale, (diff.mean(), scale)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half"),
+    [
+        (37, 2, 200, 72, 5, 1, 0, 0),  # depths not a multiple of the tile or of 128
+        (1, 2, 64, 32, 4, 3, 0, 1),  # one token, fp16
+        (150, 2, 256, 128, 3, 0, 1, 0),  # FP8 block-quantized experts, two row tiles
+    ],
+)
+def test_expert_gemm_kernels_match_the_unfused_path(
+    tokens, k, hidden, ffn, experts, empty, fp8, half
+):
+    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half)

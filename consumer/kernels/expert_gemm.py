@@ -1,0 +1,366 @@
+"""A mixture-of-experts layer's expert FFNs as two grouped GEMMs in Triton, fused with the
+steps around them (CUDA; Triton's CPU interpreter runs them for the tests).
+
+`consumer/forward/moe_gemm.py` computes, for rows sorted by expert (`counts[e]` rows of local
+expert e, in order):
+
+    h[i]       = silu(x[rows[i]] @ gate_e^T) * (x[rows[i]] @ up_e^T)          (first GEMM)
+    out[dst[i]] = weight[dst[i]] * (h[i] @ down_e^T)                          (second GEMM)
+
+Unfused, that is a gather of the tokens' rows (top-k copies of the activations), a GEMM that
+writes [rows, 2f], a SwiGLU pass, a second GEMM, a multiply by the routing weights and a
+scatter back to [token, choice] order: four extra passes over k times the activations. Here
+the first GEMM reads the token rows through `rows` and applies SwiGLU to its two
+accumulators before it stores; the second multiplies by the routing weight and stores each
+row at `dst`. Numerics are the unfused path's: each GEMM's result is rounded to the
+activations' dtype before SwiGLU or the weight multiply, as the separate kernels would.
+
+FP8 (block-quantized checkpoints: e4m3 weights with one float32 scale per 128 x 128 block):
+the activations come quantized per token and 128-channel group, each 128-deep step of the
+product is scaled by its activation and weight scales, and the first GEMM quantizes its
+SwiGLU output the same way (per row and 128 columns) for the second.
+
+Scheduling without a host sync: every expert's rows are cut into tiles of BM rows; a program
+finds its expert from the running tile count (`tile_end`, a cumulative sum on the device) and
+exits when it lies past the last tile. The grid is sized for the worst case, cdiv(R, BM) + E
+row tiles. Programs are ordered in groups of GROUP_M row tiles (consecutive experts) that
+sweep all column tiles together, so an expert's weights are read from HBM about once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from consumer.kernels.launch import Shaped, launch
+
+FP8_MAX = 448.0
+QUANT_GROUP = 128  # FP8: channels per activation scale, rows and columns per weight block
+_TINY = 1e-12
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tile shape: BM rows, BN columns (per half for the gate/up GEMM), BK deep."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    group_m: int = 8
+    warps: int = 8
+    stages: int = 3
+
+
+# Chosen on an H200 (docs/benchmarks.md, expert GEMMs): BK = 128 for FP8 (one scale block).
+BF16_TILES = Tiles(bm=128, bn=128, bk=64, warps=8, stages=4)
+FP8_TILES = Tiles(bm=128, bn=128, bk=128, warps=8, stages=3)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    a_rows_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    c_scale_ptr,
+    c_rows_ptr,
+    weight_ptr,
+    row_start_ptr,
+    tile_end_ptr,
+    n_out,
+    k,
+    max_m_tiles,
+    stride_am,
+    stride_as_m,
+    stride_as_k,
+    stride_be,
+    stride_bn,
+    stride_bs_e,
+    stride_bs_n,
+    stride_bs_k,
+    stride_cm,
+    stride_cs_m,
+    stride_cs_k,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    GATHER: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCATTER: tl.constexpr,
+    FP8: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND: tl.constexpr,
+    fp8_max: tl.constexpr,
+    tiny: tl.constexpr,
+):
+    # grouped order: GROUP_M row tiles sweep every column tile together
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(n_out, BN)
+    per_group = GROUP_M * n_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(max_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    # the expert of this row tile: how many experts' tiles end at or before it
+    experts = tl.arange(0, E_POW2)
+    ends = tl.load(tile_end_ptr + experts, mask=experts < E, other=2147483647)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    if e >= E:
+        return
+    tiles_before = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
+    row_lo = tl.load(row_start_ptr + e) + (pid_m - tiles_before) * BM
+    row_hi = tl.load(row_start_ptr + e + 1)
+
+    rows = row_lo + tl.arange(0, BM)
+    live = rows < row_hi
+    if GATHER:
+        src = tl.load(a_rows_ptr + rows, mask=live, other=0).to(tl.int64)
+    else:
+        src = tl.where(live, rows, 0).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    cols_in = cols < n_out
+    b_cols = tl.where(cols_in, cols, 0).to(tl.int64)  # in range, so the loads need no mask
+    depth = tl.arange(0, BK)
+    e64 = e.to(tl.int64)
+
+    a_ptrs = a_ptr + src[:, None] * stride_am + depth[None, :]
+    b_ptrs = b_ptr + e64 * stride_be + b_cols[None, :] * stride_bn + depth[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU: the up half's columns
+    up_offset = n_out * stride_bn
+    if FP8:
+        as_ptrs = a_scale_ptr + src * stride_as_m
+        bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (b_cols // BK) * stride_bs_n
+        bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + b_cols) // BK) * stride_bs_n
+    for step in range(0, tl.cdiv(k, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            left = k - step * BK
+            a = tl.load(a_ptrs, mask=depth[None, :] < left, other=0.0)
+            b = tl.load(b_ptrs, mask=depth[:, None] < left, other=0.0)
+        if FP8:
+            a_s = tl.load(as_ptrs + step * stride_as_k)
+            b_s = tl.load(bs_ptrs + step * stride_bs_k)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        if SWIGLU:
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + up_offset)
+            else:
+                b_up = tl.load(b_ptrs + up_offset, mask=depth[:, None] < left, other=0.0)
+            if FP8:
+                b_s_up = tl.load(bs_up_ptrs + step * stride_bs_k)
+                acc_up += tl.dot(a, b_up) * a_s[:, None] * b_s_up[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BK
+        b_ptrs += BK
+
+    out_ty = c_ptr.dtype.element_ty
+    if SWIGLU:
+        # each product rounded to the activations' dtype first, as the unfused GEMM stores it
+        # (FP8: to bf16, the dtype of FP8 checkpoints' activations, then quantized below)
+        gate = acc.to(ROUND).to(tl.float32)
+        up = acc_up.to(ROUND).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        y = acc
+    dst = rows.to(tl.int64)
+    if SCATTER:
+        dst = tl.load(c_rows_ptr + rows, mask=live, other=0).to(tl.int64)
+        w = tl.load(weight_ptr + dst, mask=live, other=0.0).to(tl.float32)
+        y = y.to(out_ty).to(tl.float32) * w[:, None]
+    keep = live[:, None] & cols_in[None, :]
+    c_ptrs = c_ptr + dst[:, None] * stride_cm + cols[None, :]
+    if FP8 and SWIGLU:  # quantize h per row and BN (= 128) columns for the second GEMM
+        y = y.to(ROUND).to(tl.float32)
+        y = tl.where(cols_in[None, :], y, 0.0)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), tiny) / fp8_max
+        tl.store(c_ptrs, tl.math.div_rn(y, scale[:, None]).to(out_ty), mask=keep)
+        tl.store(c_scale_ptr + dst * stride_cs_m + pid_n * stride_cs_k, scale, mask=live)
+    else:
+        tl.store(c_ptrs, y.to(out_ty), mask=keep)
+
+
+def schedule(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_start int32 [E + 1], tile_end int32 [E]) of experts with `counts` rows each: the
+    first sorted row of each expert, and the running count of BM-row tiles. No host sync."""
+    counts = counts.to(torch.int32)
+    row_start = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=row_start[1:])
+    tile_end = torch.cumsum(torch.div(counts + (bm - 1), bm, rounding_mode="floor"), 0)
+    return row_start, tile_end.to(torch.int32)
+
+
+def _launch(
+    a,
+    a_scale,
+    a_rows,
+    b,
+    b_scale,
+    c,
+    c_scale,
+    c_rows,
+    weight,
+    row_start,
+    tile_end,
+    *,
+    rows: int,
+    n_out: int,
+    k: int,
+    swiglu: bool,
+    tiles: Tiles,
+    act_dtype: torch.dtype,
+    compile_only: bool = False,
+) -> None:
+    experts = b.shape[0]
+    fp8 = a_scale is not None
+    if fp8 and (tiles.bk != QUANT_GROUP or (swiglu and tiles.bn != QUANT_GROUP)):
+        raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
+    max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
+    grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
+    dummy_i = row_start
+    args = (
+        a,
+        a_scale if fp8 else a,
+        a_rows if a_rows is not None else dummy_i,
+        b,
+        b_scale if fp8 else b,
+        c,
+        c_scale if c_scale is not None else c,
+        c_rows if c_rows is not None else dummy_i,
+        weight if weight is not None else c,
+        row_start,
+        tile_end,
+        n_out,
+        k,
+        max_m_tiles,
+        a.stride(0),
+        *(a_scale.stride() if fp8 else (0, 0)),
+        b.stride(0),
+        b.stride(1),
+        *(b_scale.stride() if fp8 else (0, 0, 0)),
+        c.stride(0),
+        *(c_scale.stride() if c_scale is not None else (0, 0)),
+    )
+    launch(
+        _expert_gemm_kernel,
+        grid,
+        *args,
+        E=experts,
+        E_POW2=triton.next_power_of_2(experts),
+        BM=tiles.bm,
+        BN=tiles.bn,
+        BK=tiles.bk,
+        GROUP_M=tiles.group_m,
+        GATHER=a_rows is not None,
+        SWIGLU=swiglu,
+        SCATTER=c_rows is not None,
+        FP8=fp8,
+        EVEN_K=k % tiles.bk == 0,
+        ROUND=_ROUND[act_dtype],
+        fp8_max=FP8_MAX,
+        tiny=_TINY,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+        compile_only=compile_only,
+    )
+
+
+def gate_up(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    fc1: torch.Tensor,
+    row_start: torch.Tensor,
+    tile_end: torch.Tensor,
+    *,
+    x_scale: torch.Tensor | None = None,
+    fc1_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    tiles: Tiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [R, f] = silu(x[rows] @ gate^T) * (x[rows] @ up^T) per expert, fc1 [E, 2f, K] =
+    [gate; up] rows. FP8 (`x_scale` [T, K/128], `fc1_scale` [E, 2f/128, K/128]): h comes back
+    as float8_e4m3fn with its scales [R, f/128]; else h is in x's dtype and the scale None.
+    `dtype`: the activations' dtype the products are rounded to (default x's; FP8: bf16)."""
+    r, (two_f, k) = rows.shape[0], fc1.shape[1:]
+    f = two_f // 2
+    fp8 = x_scale is not None
+    dtype = dtype or (torch.bfloat16 if fp8 else x.dtype)
+    tiles = tiles or (FP8_TILES if fp8 else BF16_TILES)
+    if fp8:
+        h = torch.empty(r, f, dtype=torch.float8_e4m3fn, device=x.device)
+        h_scale = torch.empty(r, triton.cdiv(f, QUANT_GROUP), dtype=torch.float32, device=x.device)
+    else:
+        h, h_scale = torch.empty(r, f, dtype=x.dtype, device=x.device), None
+    if r:
+        _launch(
+            x, x_scale, rows, fc1, fc1_scale, h, h_scale, None, None, row_start, tile_end,
+            rows=r, n_out=f, k=k, swiglu=True, tiles=tiles, act_dtype=dtype,
+        )  # fmt: skip
+    return h, h_scale
+
+
+def down(
+    h: torch.Tensor,
+    fc2: torch.Tensor,
+    row_start: torch.Tensor,
+    tile_end: torch.Tensor,
+    dst: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    h_scale: torch.Tensor | None = None,
+    fc2_scale: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+) -> None:
+    """out[dst[i]] = weights[dst[i]] * (h[i] @ down_e^T) for the sorted rows i of expert e,
+    fc2 [E, N, f]; rows of `out` no dst names are left as they are."""
+    r, (n, f) = h.shape[0], fc2.shape[1:]
+    tiles = tiles or (FP8_TILES if h_scale is not None else BF16_TILES)
+    if r:
+        _launch(
+            h, h_scale, None, fc2, fc2_scale, out, None, dst, weights, row_start, tile_end,
+            rows=r, n_out=n, k=f, swiglu=False, tiles=tiles, act_dtype=out.dtype,
+        )  # fmt: skip
+
+
+def precompile(
+    *, experts: int, hidden: int, ffn: int, dtype: torch.dtype, weight_dtype, fp8: bool
+) -> None:
+    """Compile, without launching, both GEMMs' variants for `experts` local experts of FFN
+    `ffn` at `hidden` (consumer/serve/precompile.py)."""
+    tiles = FP8_TILES if fp8 else BF16_TILES
+    act = torch.float8_e4m3fn if fp8 else dtype
+    g = triton.cdiv
+    idx = Shaped(torch.int32, (experts + 1,))
+    rows = Shaped(torch.int64, (1,))
+    x = Shaped(act, (1, hidden))
+    x_s = Shaped(torch.float32, (1, g(hidden, QUANT_GROUP))) if fp8 else None
+    w1 = Shaped(weight_dtype, (experts, 2 * ffn, hidden))
+    w1_s = Shaped(torch.float32, (experts, g(2 * ffn, 128), g(hidden, 128))) if fp8 else None
+    h = Shaped(act, (1, ffn))
+    h_s = Shaped(torch.float32, (1, g(ffn, QUANT_GROUP))) if fp8 else None
+    w2 = Shaped(weight_dtype, (experts, hidden, ffn))
+    w2_s = Shaped(torch.float32, (experts, g(hidden, 128), g(ffn, 128))) if fp8 else None
+    out = Shaped(dtype, (1, hidden))
+    weights = Shaped(torch.float32, (1,))
+    common: dict[str, Any] = {"rows": 1, "tiles": tiles, "act_dtype": dtype, "compile_only": True}
+    _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, idx, idx, n_out=ffn, k=hidden,
+            swiglu=True, **common)  # fmt: skip
+    _launch(h, h_s, None, w2, w2_s, out, None, rows, weights, idx, idx, n_out=hidden, k=ffn,
+            swiglu=False, **common)  # fmt: skip
