@@ -232,6 +232,7 @@ FRONTIER = {  # added to MODELS by main(): building them needs transformers
     # 1 dense + 3 sparse layers (~72 GB bf16): more sparse than dense, as the real model's
     # 3 + 58 is, so the expert layer sets the pace
     "deepseek-v3-sparse": {"name": "deepseek-v3", "layers": 4, "dense": 1},
+    "glm-4.5-air-10l": {"name": "glm-4.5-air", "layers": 10},  # 1 dense + 9 sparse
     "tiny-deepseek": {"name": "deepseek-v3", "tiny": True},
 }
 
@@ -1286,6 +1287,7 @@ def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
 
 def main() -> None:
     MODELS.update({m: _frontier(**how) for m, how in FRONTIER.items()})
+    MODELS["30b-a3b-16l"] = {**MODELS["30b-a3b"], "num_hidden_layers": 16}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="1.5b,7b", help=f"of {','.join(MODELS)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {WORKLOADS}")
@@ -1372,7 +1374,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 variants[_label(overrides)] = run_e2e(args, model, Path(tmp), overrides)
         e2e["variants"] = variants
-        everything[model] = {"hf": hf, "e2e": e2e, "wall_s": round(time.perf_counter() - t0, 1)}
+        everything[model] = {"config": MODELS[model], "hf": hf, "e2e": e2e,
+                             "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
         print(f"versions: hf side {json.dumps(hf['versions'])}", flush=True)
         print(f"head kernels: {e2e['direct'].get('kernels')}", flush=True)
         print(

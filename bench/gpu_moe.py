@@ -74,9 +74,19 @@ from bench.gpu_common import (
 )
 
 
-def _sweep():
+def _sweep(fp8: bool = False):
+    """Tile shapes --sweep times besides the default (FP8: 128 deep, 128 wide)."""
     from consumer.kernels.expert_gemm import Tiles
 
+    if fp8:
+        return [
+            Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
+            Tiles(bm=64, bn=128, bk=128, warps=4, stages=4),
+            Tiles(bm=64, bn=128, bk=128, warps=8, stages=3),
+            Tiles(bm=128, bn=128, bk=128, warps=8, stages=2),
+            Tiles(bm=128, bn=128, bk=128, warps=8, stages=4),
+            Tiles(bm=128, bn=128, bk=128, warps=4, stages=3),
+        ]
     return [
         Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),
         Tiles(bm=128, bn=128, bk=64, warps=8, stages=4),
@@ -327,9 +337,29 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
             )
         else:  # a tile shape of the sweep
             row_start, tile_end = expert_gemm.schedule(counts, tiles.bm)
-            hh, _ = expert_gemm.gate_up(x, rows, w1, row_start, tile_end, tiles=tiles)
-            expert_gemm.down(hh, w2, row_start, tile_end, picks, weights.reshape(-1), out,
-                             tiles=tiles)  # fmt: skip
+            a, a_scale = moe_gemm._quantize(x) if fp8 else (x, None)
+            hh, hs = expert_gemm.gate_up(
+                a,
+                rows,
+                w1,
+                row_start,
+                tile_end,
+                x_scale=a_scale,
+                fc1_scale=scales.get("fc1_scale"),
+                tiles=tiles,
+            )
+            expert_gemm.down(
+                hh,
+                w2,
+                row_start,
+                tile_end,
+                picks,
+                weights.reshape(-1),
+                out,
+                h_scale=hs,
+                fc2_scale=scales.get("fc2_scale"),
+                tiles=tiles,
+            )
         return out.view(tokens, k, h).sum(dim=1)
 
     def theirs() -> torch.Tensor:
@@ -348,6 +378,10 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
             paths |= {f"triton {t}": functools.partial(ours, "triton", t) for t in sweep}
             if quantized:
                 paths["triton_fp8"] = lambda: ours("triton", fp8=True)
+                sweep = _sweep(fp8=True) if args.sweep else []
+                paths |= {
+                    f"triton_fp8 {t}": functools.partial(ours, "triton", t, True) for t in sweep
+                }
         for name, fn in paths.items():
             report[name] = _time_path(fn, want, device, iters, flops)
         if quantized:

@@ -269,9 +269,7 @@ class SdpaCoreAttention(nn.Module):
             if packed_seq_params.rope is not None:
                 cos, sin = packed_seq_params.rope
                 query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
-            if uses_varlen(query):
-                return self._forward_varlen(query, key, value, packed_seq_params)
-            return self._forward_tree(query, key, value, packed_seq_params.segments)
+            return self.attend_rotated(query, key, value, packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             raise ValueError("thd batches need TreeBounds (segments on the host)")
         # sbhd: [s, b, heads, dim] -> [b, heads, s, dim]
@@ -279,6 +277,13 @@ class SdpaCoreAttention(nn.Module):
         out = self._sdpa(q, k, v)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def attend_rotated(self, query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds):
+        """Attention of a packed batch whose q and k are rotated already ([tokens, heads, d]):
+        one varlen flash call where it runs, else SDPA per run of documents."""
+        if uses_varlen(query):
+            return self._forward_varlen(query, key, value, bounds)
+        return self._forward_tree(query, key, value, bounds.segments)
 
     def _forward_varlen(self, query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds):
         # thd: [tokens, heads, dim]; one flash call for the whole pack, whatever its lengths.

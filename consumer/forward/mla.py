@@ -14,7 +14,9 @@ de-interleaved here (evens, then odds) and then rotated in the rotate-half layou
 transformers computes. Queries and keys enter core attention as [rope dims | nope dims] (the
 order of dims inside a head does not change q . k), so `SdpaCoreAttention` rotates the first
 `rope` dims from the packed batch's own position tables and runs the same packed varlen path as
-every other family; values are zero-padded to the q/k head size for it and cut back after.
+every other family; values are zero-padded to the q/k head size for it and cut back after. On
+CUDA one kernel (consumer/kernels/mla_rope.py) does the de-interleave, the rotation, the
+concatenations and the padding in one pass, and attention runs on its output directly.
 
 Tensor parallelism splits the heads as megatron does: q_up / q_proj and kv_up by rows (whole
 heads), the output projection by columns, and one all-reduce over the TP group sums the partial
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from consumer import kernels
 from consumer.forward.attention import SdpaCoreAttention, TreeBounds
 from consumer.forward.spec import ModelSpec
 
@@ -174,6 +177,16 @@ class TeacherMLA(nn.Module):
         q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], -1)
         latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora, self.rope], -1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(t, heads, self.nope + self.v)
+        fused = kernels.load(x.device)
+        rope = packed_seq_params.rope
+        if fused is not None and rope is not None and self.v <= self.nope + self.rope:
+            # rotated, concatenated and padded for the flash kernel in one pass
+            query, key, value = fused.mla_qkv(
+                q.view(t, heads, self.nope + self.rope), kv, k_pe, *rope,
+                nope=self.nope, interleaved=self.interleaved,
+            )  # fmt: skip
+            out = self.core_attention.attend_rotated(query, key, value, packed_seq_params)
+            return self._project(out, t)
         k_nope, value = kv.split([self.nope, self.v], -1)
         if self.interleaved:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
@@ -183,7 +196,12 @@ class TeacherMLA(nn.Module):
         if pad > 0:  # one head size for q, k and v: the varlen kernel takes no other
             value = F.pad(value, (0, pad))
         out = self.core_attention(query, key, value, None, packed_seq_params=packed_seq_params)
-        out = out.view(t, heads, -1)[..., : self.v].reshape(t, heads * self.v)
+        return self._project(out, t)
+
+    def _project(self, out: torch.Tensor, t: int):
+        """The output projection of attention's [t, heads x padded head] output (the value
+        dims of each head), summed over the TP group: megatron's ([t, 1, h], None)."""
+        out = out.view(t, self.heads, -1)[..., : self.v].reshape(t, self.heads * self.v)
         out = self.linear_proj(out)
         if self.split.group is not None:
             dist.all_reduce(out, group=self.split.group)

@@ -13,6 +13,8 @@ these kernels compute the same on CUDA, faster:
 - `swiglu.swiglu` and `rope.rope`: the MLP's SwiGLU and the rotary embedding of q and k in
   one pass each (`consumer.forward.model.TeacherMLP`, `consumer.forward.attention.apply_rope`;
   PyTorch elsewhere);
+- `mla_rope.mla_qkv`: latent attention's query, key and value rotated, concatenated and
+  padded to one head size in one pass (`consumer.forward.mla.TeacherMLA`);
 - `fp8_quant.quantize_activations_padded`: an FP8 linear's input quantized per token and
   128-channel group, padded and laid out as cuBLAS's block-scaled GEMM reads it
   (`consumer.forward.fp8_gemm`).
@@ -45,6 +47,7 @@ class Kernels:
     swiglu: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     fp8_quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    mla_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def load(device: torch.device) -> Kernels | None:
@@ -60,7 +63,7 @@ def triton_kernels() -> Kernels | None:
     """The kernels whatever the device (Triton's CPU interpreter, TRITON_INTERPRET=1, runs
     them on CPU tensors), or None when Triton does not import. Loaded once."""
     try:
-        from consumer.kernels import fp8_quant, rope, rowstats, swiglu
+        from consumer.kernels import fp8_quant, mla_rope, rope, rowstats, swiglu
     except ImportError:  # no Triton here: the reference path serves CUDA as well
         return None
     return Kernels(
@@ -69,4 +72,5 @@ def triton_kernels() -> Kernels | None:
         swiglu=swiglu.swiglu,
         rope=rope.rope,
         fp8_quantize=fp8_quant.quantize_activations_padded,
+        mla_qkv=mla_rope.mla_qkv,
     )

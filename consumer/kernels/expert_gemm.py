@@ -56,12 +56,15 @@ class Tiles:
     stages: int = 3
 
 
-# Chosen on an H200 (docs/benchmarks.md, expert GEMMs): BK = 128 for FP8 (one scale block).
-BF16_TILES = Tiles(bm=128, bn=128, bk=64, warps=8, stages=4)
-FP8_TILES = Tiles(bm=128, bn=128, bk=128, warps=8, stages=3)
+# Chosen by `bench/gpu_moe.py --gemm-only --sweep` on an H200 at DeepSeek-V3's expert shape
+# (docs/benchmarks.md): 444 TFLOP/s in bf16; FP8 (BK = 128, one scale block) 421 with 64 rows
+# and 4 warps, against 145-157 with 128 rows (its two accumulators and the scaled partial
+# products spill registers there).
+BF16_TILES = Tiles(bm=128, bn=128, bk=64, warps=8, stages=3)
+FP8_TILES = Tiles(bm=64, bn=128, bk=128, warps=4, stages=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_m_tiles"])  # it follows the batch's row count
 def _expert_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -340,17 +343,26 @@ def down(
 
 
 def precompile(
-    *, experts: int, hidden: int, ffn: int, dtype: torch.dtype, weight_dtype, fp8: bool
+    *,
+    experts: int,
+    hidden: int,
+    ffn: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    routing_dtype: torch.dtype,
 ) -> None:
     """Compile, without launching, both GEMMs' variants for `experts` local experts of FFN
-    `ffn` at `hidden` (consumer/serve/precompile.py)."""
+    `ffn` at `hidden`, activations in `dtype`, weights in FP8 (`fp8`) or `dtype`, routing
+    weights in `routing_dtype` (consumer/serve/precompile.py)."""
     tiles = FP8_TILES if fp8 else BF16_TILES
     act = torch.float8_e4m3fn if fp8 else dtype
+    weight_dtype = act
     g = triton.cdiv
     idx = Shaped(torch.int32, (experts + 1,))
     rows = Shaped(torch.int64, (1,))
     x = Shaped(act, (1, hidden))
-    x_s = Shaped(torch.float32, (1, g(hidden, QUANT_GROUP))) if fp8 else None
+    # the activations' scales come outer-dim-major, [T_pad, G] with strides (1, T_pad)
+    x_s = Shaped(torch.float32, (16, g(hidden, QUANT_GROUP)), (1, 16)) if fp8 else None
     w1 = Shaped(weight_dtype, (experts, 2 * ffn, hidden))
     w1_s = Shaped(torch.float32, (experts, g(2 * ffn, 128), g(hidden, 128))) if fp8 else None
     h = Shaped(act, (1, ffn))
@@ -358,7 +370,7 @@ def precompile(
     w2 = Shaped(weight_dtype, (experts, hidden, ffn))
     w2_s = Shaped(torch.float32, (experts, g(hidden, 128), g(ffn, 128))) if fp8 else None
     out = Shaped(dtype, (1, hidden))
-    weights = Shaped(torch.float32, (1,))
+    weights = Shaped(routing_dtype, (1,))
     common: dict[str, Any] = {"rows": 1, "tiles": tiles, "act_dtype": dtype, "compile_only": True}
     _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, idx, idx, n_out=ffn, k=hidden,
             swiglu=True, **common)  # fmt: skip

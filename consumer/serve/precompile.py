@@ -45,7 +45,7 @@ log = structlog.get_logger("teacherq.consumer")
 # compile: a fresh 1.5B start on an H200 host (16 cores) was ready in 23.7 s with 4 workers,
 # 19.0 s with 8 and 21.8 s with 15 (one start each, docs/benchmarks.md, run 6).
 MAX_WORKERS = 8
-FP8_TOKEN_CLASSES = (16, 17)  # token counts Triton tells apart: multiples of 16, and others
+FP8_TOKEN_CLASSES = (1, 16, 17)  # token counts Triton tells apart: 1, multiples of 16, others
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Job:
     token_budget: int
     full: bool
     workers: int
+    ep: int = 1  # expert-parallel ways of a MoE model's replica
 
     def to_json(self) -> str:
         """The job as one JSON argument."""
@@ -81,7 +82,7 @@ class Job:
 class Variant:
     """One compile: a kernel module's `precompile` with these keyword arguments."""
 
-    kernel: str  # "rowstats", "swiglu", "rope", "fp8_quant"
+    kernel: str  # a module of consumer/kernels: "rowstats", "swiglu", "rope", "fp8_quant", ...
     params: tuple[tuple[str, Any], ...]
 
     def name(self) -> str:
@@ -100,10 +101,13 @@ def head_calls(batches: list) -> list[tuple[int, int, bool]]:
     return list(seen)
 
 
-def plan(spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool) -> list[Variant]:
+def plan(
+    spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool, ep: int = 1
+) -> list[Variant]:
     """The kernel variants a warm-up of `batches` reaches on TP rank `tp_rank` of `tp` for a
     model `spec` (consumer/forward/spec.py) with `dtype` parameters; `fp8`: its linears run
-    block-scaled FP8. Variants that compile to the same kernel appear once."""
+    block-scaled FP8; `ep`: a MoE model's experts split that many ways. Variants that
+    compile to the same kernel appear once."""
     from consumer.head_common import VocabShard
     from consumer.kernels.rowstats import samples_per_program
 
@@ -133,6 +137,14 @@ def plan(spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool) -
         for heads in (spec.num_attention_heads // tp, kv_heads):
             params = (("heads", heads), ("dim", spec.kv_channels), ("dtype", dtype))
             variants[Variant("rope", params)] = None
+    if spec.is_moe:
+        variants[_experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)] = None
+    if spec.is_mla:
+        params = (("heads", spec.num_attention_heads // tp), ("nope", spec.qk_nope_head_dim),
+                  ("rope", spec.qk_rope_head_dim), ("v", spec.v_head_dim),
+                  ("latent", spec.kv_lora_rank), ("dtype", dtype),
+                  ("interleaved", spec.rope_interleave))  # fmt: skip
+        variants[Variant("mla_rope", params)] = None
     if fp8:
         widths = {spec.hidden_size, spec.num_attention_heads // tp * spec.kv_channels}
         widths.add(spec.ffn_hidden_size // tp)
@@ -141,6 +153,24 @@ def plan(spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool) -
                 params = (("k", k), ("tokens", tokens), ("dtype", dtype))
                 variants[Variant("fp8_quant", params)] = None
     return list(variants)
+
+
+def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Variant:
+    """The fused expert GEMMs' compile (consumer/kernels/expert_gemm.py) for this rank's
+    experts: FP8 where an FP8 checkpoint's experts are whole 128-blocks (they load in FP8
+    then), routing weights in float32 where the family keeps them so."""
+    import torch
+
+    family = spec.family_record
+    ffn = spec.moe_ffn_hidden_size // max(1, max(tp, ep) // ep)  # a replica: max(tp, ep) ranks
+    fp8_experts = fp8 and ffn % 128 == 0 and spec.hidden_size % 128 == 0
+    float_weights = family is not None and (
+        family.routing == "sigmoid_grouped" or family.float_router_weights
+    )
+    params = (("experts", spec.num_experts // ep), ("hidden", spec.hidden_size), ("ffn", ffn),
+              ("dtype", dtype), ("fp8", fp8_experts),
+              ("routing_dtype", torch.float32 if float_weights else dtype))  # fmt: skip
+    return Variant("expert_gemm", params)
 
 
 def compile_variant(variant: Variant) -> None:
@@ -221,6 +251,7 @@ class Precompile:
             token_budget=c.token_budget,
             full=c.warmup == "full" or c.warmup == "auto",
             workers=workers,
+            ep=settings.parallel.ep,
         )
         plan = job.digest()  # reads the model's config.json: once
         if cache is not None and cache.holds(plan):
@@ -316,6 +347,7 @@ def _worker(job: Job, index: int) -> int:
         batches=batches,
         dtype=dtypes.get(job.dtype, torch.float32),
         fp8=fp8,
+        ep=job.ep,
     )
     failures = 0
     for variant in variants[index :: job.workers]:

@@ -249,3 +249,44 @@ def test_expert_gemm_kernels_match_the_unfused_path(
     tokens, k, hidden, ffn, experts, empty, fp8, half
 ):
     _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half)
+
+
+# Latent attention's q, k, v for the flash kernel (consumer/kernels/mla_rope.py) against the
+# PyTorch ops TeacherMLA runs elsewhere: de-interleave, concatenate, pad, rotate.
+MLA = textwrap.dedent(
+    """
+    from consumer.forward.attention import apply_rope
+    from consumer.forward.mla import _deinterleave
+    from consumer.kernels import mla_rope
+
+    heads, nope, rope, v, interleaved = args
+    rows, lora = 5, 16
+    gen = torch.Generator().manual_seed(heads + nope)
+    q = torch.randn(rows, heads, nope + rope, generator=gen)
+    kv = torch.randn(rows, heads, nope + v, generator=gen)
+    down = torch.randn(rows, lora + rope, generator=gen)  # k_pe is a strided view, as in MLA
+    k_pe = down[:, lora:]
+    angles = torch.rand(rows, rope // 2, generator=gen) * 6.0
+    cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
+    got = mla_rope.mla_qkv(q, kv, k_pe, cos, sin, nope=nope, interleaved=bool(interleaved))
+    q_pe, k_pe = q[..., nope:], k_pe
+    if interleaved:
+        q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+    query = torch.cat((q_pe, q[..., :nope]), dim=-1)
+    key = torch.cat((k_pe[:, None, :].expand(rows, heads, rope), kv[..., :nope]), dim=-1)
+    value = torch.nn.functional.pad(kv[..., nope:], (0, nope + rope - v))
+    want = (apply_rope(query, cos, sin), apply_rope(key, cos, sin), value)
+    for name, w, g in zip("qkv", want, got, strict=True):
+        assert g.shape == w.shape and g.is_contiguous(), (name, g.shape, w.shape)
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("heads", "nope", "rope", "v", "interleaved"),
+    [(4, 8, 8, 12, 1), (3, 16, 8, 16, 0), (20, 128, 64, 128, 1)],  # tiny, odd heads, DeepSeek
+)
+def test_mla_qkv_kernel_matches_the_pytorch_ops(heads, nope, rope, v, interleaved):
+    _run(MLA, heads, nope, rope, v, interleaved)

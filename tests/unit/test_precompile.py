@@ -276,3 +276,56 @@ def test_no_workers_when_the_sealed_cache_holds_the_plan(
     assert again.wait(1.0)["skipped"] == "cached"
     other = Settings(consumer={"precompile_workers": 2}, queue={"max_top_k": 5})
     assert precompile.Precompile.start(other, {}, cache).skipped == ""  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_plan_covers_the_expert_gemms_and_latent_attention(
+    seen: dict[str, set], monkeypatch: pytest.MonkeyPatch, fp8: bool
+) -> None:
+    """For a DeepSeek-V3-like spec (latent attention, sigmoid routing with float32 weights)
+    the plan compiles the fused expert GEMMs (bf16, or FP8 experts) and the latent attention
+    kernel as TeacherMoE and TeacherMLA launch them, whatever the batch's row count."""
+    from consumer.forward import moe_gemm
+    from consumer.kernels import expert_gemm, fp8_quant, mla_rope
+
+    for module, name in (
+        (expert_gemm, "_expert_gemm_kernel"),
+        (mla_rope, "_mla_qkv_kernel"),
+        (fp8_quant, "_quantize_kernel"),
+    ):
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), name, seen))
+    # the CUDA path's quantizer (outer-dim-major scales), not the PyTorch one CPUs take
+    monkeypatch.setattr(moe_gemm, "_quantize", fp8_quant.quantize_activations_padded)
+    spec = replace(
+        TINY, family="deepseek_v3", hidden_size=256, num_attention_heads=4, num_kv_heads=4,
+        num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, kv_lora_rank=32, q_lora_rank=48,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
+    )  # fmt: skip
+    dtype, e, h, f, k = torch.bfloat16, spec.num_experts, spec.hidden_size, 128, 2
+    weight = torch.float8_e4m3fn if fp8 else dtype
+    fc1, fc2 = torch.zeros(e, 2 * f, h, dtype=weight), torch.zeros(e, h, f, dtype=weight)
+    scales = {"fc1_scale": torch.ones(e, 2, 2), "fc2_scale": torch.ones(e, 2, 1)} if fp8 else {}
+    for tokens in (1, 16, 37):
+        rows = torch.arange(tokens * k)
+        counts = torch.zeros(e, dtype=torch.int64)
+        counts[0] = tokens * k
+        out = torch.empty(tokens * k, h, dtype=dtype)
+        moe_gemm.routed_swiglu(
+            torch.zeros(tokens, h, dtype=dtype), rows // k, rows, torch.ones(tokens * k),
+            counts, fc1, fc2, out, path="triton", **scales,
+        )  # fmt: skip
+        heads, nope, rope, v, lora = 4, 16, 8, 16, 32
+        down = torch.zeros(tokens, lora + rope, dtype=dtype)
+        angles = torch.zeros(tokens, rope // 2)
+        mla_rope.mla_qkv(
+            torch.zeros(tokens, heads * (nope + rope), dtype=dtype).view(tokens, heads, -1),
+            torch.zeros(tokens, heads * (nope + v), dtype=dtype).view(tokens, heads, -1),
+            down[:, lora:], angles, angles, nope=nope, interleaved=True,
+        )  # fmt: skip
+    variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=dtype, fp8=fp8)
+    for variant in variants:
+        precompile.compile_variant(variant)
+    launched = {name for name, _, _ in seen["launched"]}
+    assert {"_expert_gemm_kernel", "_mla_qkv_kernel"} <= launched
+    missing = seen["launched"] - seen["compiled"]
+    assert not missing, f"{len(missing)} launches not in the plan, e.g. {sorted(missing)[0]}"
