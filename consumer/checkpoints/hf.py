@@ -23,6 +23,8 @@ Layout conversions, Hugging Face -> megatron-core (local layer spec):
   `rotary_percent` does).
 - FP8 block-quantized checkpoints (`quantization_config`, `hf_fp8.py`) are dequantized as
   each rank reads its slice (inside `HfCheckpoint.read`), so the readers here are the same.
+  Where FP8 GEMMs run, the same readers give the linears (`hf_fp8_linears.py`) and the MoE
+  experts (`hf_fp8_experts.py`) their stored FP8 shards and block scales instead.
 - Published DeepSeek-V3 / GLM-4.5 checkpoints carry multi-token-prediction layers after the
   model's own (`model.layers.{num_hidden_layers}.*`): skipped, and named in the log.
 """
@@ -301,8 +303,9 @@ def load_hf_weights(
     """Overwrite every parameter of this rank's `model` with its shard from `checkpoint`.
 
     `model` must have been built from `spec` at `layout`; an FP8 checkpoint is dequantized
-    to the model's dtype (`fp8`: the `model.fp8` setting). Raises `CheckpointError` if a shard
-    does not fit its parameter, and RuntimeError if a parameter would be left unloaded.
+    to the model's dtype, or its linears and experts held in FP8 where FP8 GEMMs run (`fp8`:
+    the `model.fp8` setting). Raises `CheckpointError` if a shard does not fit its parameter,
+    and RuntimeError if a parameter would be left unloaded.
     """
     ckpt = checkpoint if isinstance(checkpoint, HfCheckpoint) else HfCheckpoint(checkpoint)
     readers = hf_shard_readers(spec, layout, ckpt.shapes)
@@ -340,30 +343,40 @@ def load_hf_weights(
 
 
 def fp8_plan(ckpt: HfCheckpoint, device: torch.device, fp8: str) -> tuple | None:
-    """Which linears a load of `ckpt` on `device` under `model.fp8` = `fp8` holds in FP8:
-    None when none do (no FP8 checkpoint, or it is dequantized), else its block size and
-    quantized tensors. Two checkpoints of one shape and one plan convert the same linears,
-    so one can be loaded in place of the other (`Reloader`); a different plan rebuilds."""
+    """Which linears and MoE experts a load of `ckpt` on `device` under `model.fp8` = `fp8`
+    holds in FP8: None when none do (no FP8 checkpoint, or it is dequantized), else its block
+    size and quantized tensors. Two checkpoints of one shape and one plan convert the same
+    linears and experts, so one can be loaded in place of the other (`Reloader`); a different
+    plan rebuilds."""
     if ckpt.fp8 is None or hf_fp8.fp8_compute_problem(fp8, device, ckpt.fp8) is not None:
         return None
     return (ckpt.fp8.block_rows, ckpt.fp8.block_cols, frozenset(ckpt.scales))
 
 
 def _fp8_linears(model: TeacherGPTModel, ckpt: HfCheckpoint, readers: dict, fp8: str) -> set:
-    """With an FP8 checkpoint where FP8 GEMMs run, give the linears their FP8 shards (the
-    names returned; linears already in FP8 are overwritten where they are); log what stays
-    dequantized and why."""
+    """With an FP8 checkpoint where FP8 GEMMs run, give the linears and the MoE experts their
+    FP8 shards (the names returned; those already in FP8 are overwritten where they are); log
+    what stays dequantized and why."""
     if ckpt.fp8 is None:
         return set()
     first = next(model.parameters())
     why = hf_fp8.fp8_compute_problem(fp8, first.device, ckpt.fp8)
     converted: list[str] = []
     if why is None:
+        from consumer.checkpoints.hf_fp8_experts import attach_fp8_experts
         from consumer.checkpoints.hf_fp8_linears import attach_fp8_linears
 
         converted = attach_fp8_linears(model, ckpt, readers)
-        log.info("checkpoint.fp8_compute", fp8_linears=len(converted),
-                 other_quantized_tensors="dequantized (MoE experts, latent attention)")  # fmt: skip
+        experts, experts_why = attach_fp8_experts(model, ckpt, readers)
+        log.info(
+            "checkpoint.fp8_compute",
+            fp8_linears=len(converted),
+            fp8_expert_layers=len(experts) // 2,
+            other_quantized_tensors="dequantized (shared experts, latent attention)",
+        )
+        if experts_why is not None:
+            log.info("checkpoint.fp8_experts_dequantized", reason=experts_why)
+        converted += experts
     else:
         log.info("checkpoint.fp8_dequantized", quantized_tensors=len(ckpt.scales),
                  block=[ckpt.fp8.block_rows, ckpt.fp8.block_cols],

@@ -7,8 +7,8 @@ The shards come from the same readers as the dequantizing load (`hf.hf_shard_rea
 run against a view of the checkpoint whose reads return the stored FP8 slice, then against one
 whose reads return the scale blocks of that slice, so a fused parameter (QKV, gate/up) gets
 its scales fused the same way. A parameter is converted only when every tensor it is read from
-is quantized and every slice is whole blocks; anything else (embeddings, norms, MoE experts,
-latent attention's own linears) loads dequantized as before.
+is quantized and every slice is whole blocks; anything else (embeddings, norms, latent
+attention's own linears) loads dequantized as before. MoE experts are `hf_fp8_experts`' work.
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.forward import fp8_gemm
 
 
-class _NotConvertible(Exception):
-    """A parameter read from an unquantized tensor, or through a slice that cuts blocks."""
+class NotConvertible(Exception):
+    """A parameter read from an unquantized tensor, or through a slice that cuts blocks (the
+    message: that tensor's name)."""
 
 
-class _StoredView(HfCheckpoint):
+class StoredView(HfCheckpoint):
     """The checkpoint, with reads returning the stored FP8 slice (`what="weight"`) or the
-    scale blocks that slice covers (`what="scale"`)."""
+    scale blocks that slice covers (`what="scale"`). Any reader of `hf.hf_shard_readers`
+    run against it gives a parameter's FP8 shard, or its scales fused and sliced the same way
+    (`hf_fp8_experts` reads the experts through it too); a read it cannot serve raises
+    `NotConvertible`."""
 
     def __init__(self, ckpt: HfCheckpoint, what: str) -> None:  # shares ckpt's open files
         self.__dict__.update(ckpt.__dict__)
@@ -40,7 +44,7 @@ class _StoredView(HfCheckpoint):
         """The stored FP8 values, or the scale blocks, of `name` at `slices`."""
         scale, fmt = self.scales.get(name), self.fp8
         if scale is None or fmt is None:
-            raise _NotConvertible(name)
+            raise NotConvertible(name)
         view = self._open(self._file_of[name]).get_slice(name)
         shape = view.get_shape()
         ranges = hf_fp8.slice_ranges(shape, slices)
@@ -50,7 +54,7 @@ class _StoredView(HfCheckpoint):
         blocks = (fmt.block_rows, fmt.block_cols)
         for (a, b), n, block in zip(ranges[-2:], shape[-2:], blocks, strict=True):
             if a % block or (b % block and b != n):
-                raise _NotConvertible(name)
+                raise NotConvertible(name)
             out.append(slice(a // block, math.ceil(b / block)))
         return self._open(self._file_of[scale]).get_slice(scale)[tuple(out)]
 
@@ -79,7 +83,7 @@ def attach_fp8_linears(
     if fmt is None:
         return []
     modules = dict(model.named_modules())
-    stored, scales = _StoredView(ckpt, "weight"), _StoredView(ckpt, "scale")
+    stored, scales = StoredView(ckpt, "weight"), StoredView(ckpt, "scale")
     converted = []
     for name, read in readers.items():
         module = modules.get(name.removesuffix(".weight"))
@@ -91,7 +95,7 @@ def attach_fp8_linears(
             continue  # activations are quantized in 128-channel groups
         try:
             weight, scale = read(stored), read(scales)
-        except _NotConvertible:
+        except NotConvertible:
             continue
         n, k = module.weight.shape
         if tuple(weight.shape) != (n, k) or tuple(scale.shape) != hf_fp8.scale_shape((n, k), fmt):

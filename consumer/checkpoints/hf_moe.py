@@ -15,6 +15,8 @@ and ungated shared experts `mlp.shared_experts.gate_proj / up_proj / down_proj.w
 `mlp.shared_expert.*` with `mlp.shared_expert_gate.weight` [1, h].
 
 A rank reads only its experts, and of those only its slice of the FFN (`consumer.forward.moe`).
+For an FP8 checkpoint whose experts run in FP8, the same readers give `hf_fp8_experts` the
+stored FP8 slices and their scale blocks.
 """
 
 from __future__ import annotations

@@ -350,6 +350,7 @@ def save_megatron_checkpoint(
     spec = spec or getattr(model, "teacherq_spec", None)
     if spec is None:
         raise ValueError("save_megatron_checkpoint needs the model's spec (pass spec=)")
+    _refuse_fp8(model, "save")
     root = Path(path)
     ckpt_dir = root / step_dir_name(RELEASE if iteration is None else iteration)
     rank = dist.get_rank()
@@ -370,6 +371,22 @@ def save_megatron_checkpoint(
         tmp.replace(root / TRACKER_NAME)
     dist.barrier()
     return ckpt_dir
+
+
+def _refuse_fp8(model: torch.nn.Module, what: str) -> None:
+    """Refuse a torch_dist save or load of a model holding FP8 weights (an FP8 checkpoint's
+    linears or MoE experts under `model.fp8=auto`): their entries carry the FP8 values without
+    the block scales, so a save would write weights no loader can read right, and a load
+    would round higher-precision values into FP8 under stale scales."""
+    held = [n for n, p in model.named_parameters() if p.dtype in _FP8_DTYPES]
+    if held:
+        raise CheckpointError(
+            f"cannot {what} a torch_dist checkpoint: the model holds {len(held)} FP8 weights "
+            f"with block scales (e.g. {held[0]}); load the teacher with model.fp8=dequantize"
+        )
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,6 +458,7 @@ def load_megatron_weights(model: TeacherGPTModel, ckpt_dir: str | Path) -> None:
     All ranks of the model call this together. Raises `CheckpointError` if the checkpoint
     lacks a tensor or stores one with a shape the model cannot take.
     """
+    _refuse_fp8(model, "load into")
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 

@@ -81,10 +81,11 @@ class Reloader:
     place that fails part-way puts the previous weights back before it raises; `undo` does the
     same after a load that succeeded here but failed on a peer rank (see `load_agreed`).
 
-    FP8 checkpoints (`fp8`: the `model.fp8` setting): where their linears run in FP8, an update
-    loads in place only when the new checkpoint holds the same linears in FP8 with the same
-    blocks (`hf.fp8_plan`); between an FP8-compute model and a bf16 checkpoint, or the other
-    way, the model is rebuilt. Dequantized FP8 checkpoints load in place like any other."""
+    FP8 checkpoints (`fp8`: the `model.fp8` setting): where their linears and MoE experts run
+    in FP8, an update loads in place only when the new checkpoint holds the same linears and
+    experts in FP8 with the same blocks (`hf.fp8_plan`); between an FP8-compute model and a
+    bf16 checkpoint, or the other way, the model is rebuilt. Dequantized FP8 checkpoints load
+    in place like any other."""
 
     def __init__(
         self,
