@@ -163,3 +163,41 @@ def test_fp8_update_in_place_keeps_cuda_graphs_valid(hf_checkpoint, tmp_path, la
     want = build(paths[1], graphed=False)[0].score(batch)
     for a, b in zip(have, want, strict=True):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+
+
+def test_fp8_moe_checkpoint_serves_fp8_experts(hf_checkpoint, tmp_path, layout, cublas):
+    """`model.fp8=auto` on this GPU with an FP8 MoE checkpoint: every sparse layer holds its
+    experts in FP8 with their block scales (computed by the fused Triton expert kernel), and
+    the scores stay close to the dequantized load of the same checkpoint."""
+    import numpy as np
+
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.forward import moe_gemm
+    from consumer.forward.moe import TeacherMoE
+    from consumer.forward.scoring import Scorer
+    from consumer.group.batching import batch_from_jobs
+    from tests.fp8_reference import VOCAB, fp8_jobs, write_fp8_pair
+
+    if not moe_gemm.fused_available(CUDA, torch.bfloat16, fp8=True):
+        pytest.skip("the fused FP8 expert kernel does not run here")
+    sizes = {"hidden_size": 512, "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 128,
+             "intermediate_size": 1024, "num_layers": 2, "num_experts": 8, "top_k": 2,
+             "moe_intermediate_size": 256}  # fmt: skip
+    source = hf_checkpoint("qwen3_moe", "gpu-fp8-moe-src", seed=3, vocab_size=VOCAB, **sizes)
+    fp8_path, _ = write_fp8_pair(source, tmp_path, [128, 128])
+    scores = {}
+    for mode in ("auto", "dequantize"):
+        model, spec = load_hf_checkpoint(
+            str(fp8_path), layout, params_dtype=torch.bfloat16, device=CUDA, fp8=mode
+        )
+        moes = [m for m in model.modules() if isinstance(m, TeacherMoE)]
+        held = [m.expert_scale("fc1") is not None for m in moes]
+        assert held == [mode == "auto"] * 2
+        if mode == "auto":
+            assert all(m.experts_fc1.dtype == torch.float8_e4m3fn for m in moes)
+        scorer = Scorer(model=model, spec=spec, layout=layout, device=CUDA)
+        scores[mode] = scorer.score(batch_from_jobs(fp8_jobs()))
+    pairs = zip(scores["auto"], scores["dequantize"], strict=True)
+    diff = np.concatenate([np.abs(a["logprobs"] - d["logprobs"]) for a, d in pairs])
+    assert diff.mean() < 0.1 and diff.max() < 0.6, (diff.mean(), diff.max())
+    assert diff.max() > 0
