@@ -6,7 +6,12 @@ queue, on the same documents) with that row's model cut, workloads and settings;
 figures) goes to `--out` (default bench/results/<row>.json).
 
     python bench/rows.py deepseek-v3-sparse     # one row
+    python bench/rows.py deepseek-v3-sparse --pass-forwards 8 --iters 2   # larger windows
     python bench/rows.py --list                 # the rows and their commands
+
+Arguments after the row go to bench/gpu_e2e.py after the row's own (so they override them):
+long-tailed lengths need larger windows than the default here, since a pass holds only a
+few of the 16k-32k documents that dominate its attention.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ ROWS = {
 }
 
 
-def command(row: str, out: Path) -> list[str]:
-    """The bench/gpu_e2e.py command line of `row`, writing its JSON to `out`."""
+def command(row: str, out: Path, extra: list[str] | None = None) -> list[str]:
+    """The bench/gpu_e2e.py command line of `row`, writing its JSON to `out`; `extra`
+    arguments come last (argparse keeps an option's last value)."""
     return [sys.executable, str(HERE / "gpu_e2e.py"), *ROWS[row], *WINDOWS,
-            "--json-out", str(out)]  # fmt: skip
+            "--json-out", str(out), *(extra or [])]  # fmt: skip
 
 
 def main() -> None:
@@ -50,14 +56,14 @@ def main() -> None:
     parser.add_argument("row", nargs="?", choices=sorted(ROWS))
     parser.add_argument("--out", type=Path, help="the JSON (default bench/results/<row>.json)")
     parser.add_argument("--list", action="store_true", help="print the rows' commands")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()
     if args.list or args.row is None:
         for row in ROWS:
             print(row + ": " + " ".join(command(row, HERE / "results" / f"{row}.json")[1:]))
         return
     out = args.out or HERE / "results" / f"{args.row}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    sys.exit(subprocess.call(command(args.row, out)))
+    sys.exit(subprocess.call(command(args.row, out, extra)))
 
 
 if __name__ == "__main__":
