@@ -112,6 +112,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dense-layers", type=int, default=None, help="dense first layers")
     p.add_argument("--profile", action="store_true", help="teacherq's top kernels (CUDA)")
     p.add_argument("--skip-hf", action="store_true", help="teacherq alone")
+    p.add_argument(
+        "--long-doc",
+        type=int,
+        default=0,
+        help="documents of about this many tokens each (alone in a forward)",
+    )
+    p.add_argument(
+        "--flash-only-too",
+        action="store_true",
+        help="also time teacherq with long documents on the flash path",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -131,6 +142,9 @@ def hf_config(cfg: dict):
 
 def documents(cfg: dict, args: argparse.Namespace) -> list[np.ndarray]:
     rng = np.random.default_rng(args.seed)
+    if args.long_doc:  # lengths a little apart: no two alike
+        return [rng.integers(0, cfg["vocab_size"], size=args.long_doc - 7 * i)
+                for i in range(args.docs)]  # fmt: skip
     hi = 256 if args.tiny else 4096
     lo = 16 if args.tiny else 256
     return [
@@ -445,6 +459,16 @@ def main() -> None:
         "peak_gib": _peak_gib(device),
         "outputs": "label" if args.label_only else f"top-{TOP_K}, {SAMPLES} samples, entropy",
     }
+    if args.flash_only_too:
+        from consumer.forward import attention
+
+        kept, attention.LONG_DOCUMENT = attention.LONG_DOCUMENT, 1 << 40
+        seconds_flash, _ = run_teacherq(model, spec, layout, docs, args, device)
+        attention.LONG_DOCUMENT = kept
+        report["teacherq_flash_only"] = {
+            "tokens_per_s": sum(lengths) / seconds_flash,
+            "mfu_active": flops / seconds_flash / PEAK_FLOPS,
+        }
     if args.profile and device.type == "cuda":
         report["teacherq_profile"] = profile_pass(model, spec, layout, docs, args, device)
     del model

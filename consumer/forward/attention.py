@@ -27,6 +27,14 @@ had not met (1.7 ms of host time per call, 196 calls for one 16k-token batch of 
 an H200), which on real traffic, where lengths never repeat, cost more than the forward itself.
 The SDPA path that remains (CPU, fp32, a torch without varlen attention) never dispatches to
 cuDNN for the same reason.
+
+One exception: a pack that is a single long document (LONG_DOCUMENT rows or more, which is
+how documents longer than the token budget run) goes through SDPA's cuDNN kernel, its length
+padded up to a multiple of LONG_BUCKET so that cuDNN plans for few lengths (rows padded at the
+end of a causal sequence change no earlier row). There its attention is most of the forward,
+and cuDNN ran it 2.2x faster than the varlen flash kernel on an H200 (589-625 against 246-276
+TFLOP/s at 4k-30k tokens with latent attention's head sizes, docs/benchmarks.md). It is used
+where a probe on the device agrees with the varlen path (`cudnn_long_documents`).
 """
 
 from __future__ import annotations
@@ -204,6 +212,46 @@ def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     )
 
 
+LONG_DOCUMENT = 4096  # rows from which a one-document pack takes the cuDNN path
+LONG_BUCKET = 1024  # its length is padded up to a multiple of this
+
+
+@cache
+def cudnn_long_documents(device: torch.device, dtype: torch.dtype, dq: int, dv: int) -> bool:
+    """Whether SDPA's cuDNN kernel runs causal attention of one long document with these head
+    sizes on `device` and agrees with the varlen flash kernel (checked once)."""
+    attend = varlen_attention()
+    if device.type != "cuda" or attend is None or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows, heads = LONG_BUCKET + 77, 2
+    q, k = (torch.randn(rows, heads, dq, generator=gen, device=device, dtype=dtype) for _ in "qk")
+    v = torch.randn(rows, heads, dv, generator=gen, device=device, dtype=dtype)
+    try:
+        got = _cudnn_causal(q, k, v, scale=None)
+    except RuntimeError:  # no cuDNN attention for these sizes in this build
+        return False
+    if dv != dq:  # the varlen kernel takes one head size: pad v for the reference
+        v = nn.functional.pad(v, (0, dq - dv))
+    cu = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    want = attend(q, k, v, cu, cu, rows, rows, scale=None)[..., :dv].reshape(rows, -1)
+    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
+
+
+def _cudnn_causal(query: Tensor, key: Tensor, value: Tensor, *, scale) -> Tensor:
+    """Causal attention of one document [s, heads, d] through SDPA's cuDNN kernel, the length
+    padded to a multiple of LONG_BUCKET: [s, heads x d_v]."""
+    s = query.shape[0]
+    pad = -s % LONG_BUCKET
+    q, k, v = (
+        nn.functional.pad(t, (0, 0, 0, 0, 0, pad)).permute(1, 0, 2)[None]
+        for t in (query, key, value)
+    )
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out[0, :, :s].transpose(0, 1).reshape(s, -1)
+
+
 # SDPA backends for the per-run path: cuDNN builds a plan per new sequence length (see the
 # module doc), so it is left out; flash, memory-efficient and math kernels plan nothing.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -290,6 +338,8 @@ class SdpaCoreAttention(nn.Module):
         if bounds.varlen is None:  # the first layer of this forward builds it for the rest
             bounds.varlen = VarlenLayout.of(bounds.segments, query.device)
         lay = bounds.varlen
+        if self._one_long_document(query, key, value, bounds):
+            return _cudnn_causal(query, key, value, scale=self.softmax_scale)
         if lay.kv_rows is not None:  # responses see their prompt: gather keys per segment
             key, value = key.index_select(0, lay.kv_rows), value.index_select(0, lay.kv_rows)
         attend = varlen_attention()
@@ -298,6 +348,21 @@ class SdpaCoreAttention(nn.Module):
             query, key, value, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, scale=self.softmax_scale
         )
         return out.reshape(query.shape[0], -1)
+
+    @staticmethod
+    def _one_long_document(query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds):
+        """Whether the pack is one plain document of LONG_DOCUMENT rows or more, with as many
+        key as query heads, that cuDNN runs here (see the module doc)."""
+        if len(bounds.segments) != 1 or query.shape[0] < LONG_DOCUMENT:
+            return False
+        if torch.cuda.is_current_stream_capturing():  # graphs record the varlen path only
+            return False
+        _, _, context_start, context_end = bounds.segments[0]
+        return (
+            context_start == context_end
+            and key.shape[1] == query.shape[1]
+            and cudnn_long_documents(query.device, query.dtype, query.shape[-1], value.shape[-1])
+        )
 
     def _forward_tree(self, query: Tensor, key: Tensor, value: Tensor, segments) -> Tensor:
         # thd: [tokens, heads, dim]. One SDPA call per run of adjacent documents of one length

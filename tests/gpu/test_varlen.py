@@ -88,3 +88,31 @@ def test_a_batch_of_new_lengths_makes_one_flash_call_per_layer_and_no_cudnn_call
     names = [e.name for e in prof.events()]
     assert names.count("aten::_flash_attention_forward") == spec.num_layers
     assert not any("cudnn_attention" in n for n in names)
+
+
+@pytest.mark.parametrize(("dq", "dv"), [(128, 128), (192, 192), (192, 128)])
+def test_one_long_document_runs_through_cudnn_and_matches_the_flash_path(dq: int, dv: int):
+    """A pack that is one document of LONG_DOCUMENT rows or more (length not a multiple of
+    the bucket) takes SDPA's cuDNN kernel, and agrees with the varlen flash call."""
+    from consumer.forward import attention
+
+    rows, heads = attention.LONG_DOCUMENT + 333, 4
+    gen = torch.Generator(device=CUDA).manual_seed(dq + dv)
+    q, k = (torch.randn(rows, heads, dq, generator=gen, device=CUDA).bfloat16() for _ in "qk")
+    v = torch.randn(rows, heads, dv, generator=gen, device=CUDA).bfloat16()
+    if not attention.cudnn_long_documents(CUDA, torch.bfloat16, dq, dv):
+        pytest.skip("no cuDNN attention for these head sizes here")
+    bounds = TreeBounds.from_segments(((0, rows, 0, 0),), max_position=rows - 1)
+    attn = SdpaCoreAttention(config=None, softmax_scale=dq**-0.5)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = attn.attend_rotated(q, k, v, bounds)
+    names = [e.name for e in prof.events()]
+    assert any("cudnn_attention" in n for n in names)
+    assert not any(n == "aten::_flash_attention_forward" for n in names)
+    vp = torch.nn.functional.pad(v, (0, dq - dv))
+    cu = torch.tensor([0, rows], dtype=torch.int32, device=CUDA)
+    flash = attention.varlen_attention()(q, k, vp, cu, cu, rows, rows, scale=dq**-0.5)
+    want = flash[..., :dv].reshape(rows, -1)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
