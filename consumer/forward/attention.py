@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
+import structlog
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor, nn
@@ -52,6 +53,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from consumer import kernels
 from consumer.tp_ops import to_device
+
+log = structlog.get_logger("teacherq.consumer")
 
 
 @dataclass
@@ -214,6 +217,7 @@ def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 LONG_DOCUMENT = 4096  # rows from which a one-document pack takes the cuDNN path
 LONG_BUCKET = 1024  # its length is padded up to a multiple of this
+_CUDNN_FAILED: list[str] = []  # set by a cuDNN call that raised: varlen for the rest of the run
 
 
 @cache
@@ -238,16 +242,19 @@ def cudnn_long_documents(device: torch.device, dtype: torch.dtype, dq: int, dv: 
     return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
 
 
-def _cudnn_causal(query: Tensor, key: Tensor, value: Tensor, *, scale) -> Tensor:
-    """Causal attention of one document [s, heads, d] through SDPA's cuDNN kernel, the length
-    padded to a multiple of LONG_BUCKET: [s, heads x d_v]."""
+def _cudnn_causal(
+    query: Tensor, key: Tensor, value: Tensor, *, scale, backend=SDPBackend.CUDNN_ATTENTION
+) -> Tensor:
+    """Causal attention of one document [s, heads, d] through SDPA's cuDNN kernel (`backend`:
+    another, for the CPU test of the padding), the length padded to a multiple of
+    LONG_BUCKET: [s, heads x d_v]."""
     s = query.shape[0]
     pad = -s % LONG_BUCKET
     q, k, v = (
         nn.functional.pad(t, (0, 0, 0, 0, 0, pad)).permute(1, 0, 2)[None]
         for t in (query, key, value)
     )
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    with sdpa_kernel([backend]):
         out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[0, :, :s].transpose(0, 1).reshape(s, -1)
 
@@ -339,7 +346,11 @@ class SdpaCoreAttention(nn.Module):
             bounds.varlen = VarlenLayout.of(bounds.segments, query.device)
         lay = bounds.varlen
         if self._one_long_document(query, key, value, bounds):
-            return _cudnn_causal(query, key, value, scale=self.softmax_scale)
+            try:
+                return _cudnn_causal(query, key, value, scale=self.softmax_scale)
+            except RuntimeError as exc:  # a length the probe did not meet: flash from now on
+                _CUDNN_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                log.warning("attention.cudnn_off", rows=query.shape[0], error=_CUDNN_FAILED[0])
         if lay.kv_rows is not None:  # responses see their prompt: gather keys per segment
             key, value = key.index_select(0, lay.kv_rows), value.index_select(0, lay.kv_rows)
         attend = varlen_attention()
@@ -355,7 +366,7 @@ class SdpaCoreAttention(nn.Module):
         key as query heads, that cuDNN runs here (see the module doc)."""
         if len(bounds.segments) != 1 or query.shape[0] < LONG_DOCUMENT:
             return False
-        if torch.cuda.is_current_stream_capturing():  # graphs record the varlen path only
+        if _CUDNN_FAILED or torch.cuda.is_current_stream_capturing():  # graphs: varlen only
             return False
         _, _, context_start, context_end = bounds.segments[0]
         return (

@@ -72,3 +72,21 @@ def test_documents_longer_than_the_configured_positions_match_megatrons_own_rope
     torch.testing.assert_close(packed, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(two[:100], reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(two[100:], reference, atol=1e-5, rtol=1e-5)
+
+
+def test_one_long_document_path_pads_to_the_bucket_without_changing_a_row() -> None:
+    """The long-document path (SDPA's cuDNN kernel on CUDA) pads the document to a multiple
+    of LONG_BUCKET and cuts the result back: here through SDPA's math kernel, against a dense
+    float64 reference, with v narrower than q and k as latent attention has it."""
+    from torch.nn.attention import SDPBackend
+
+    from consumer.forward import attention
+
+    rows, heads, dq, dv = attention.LONG_BUCKET + 5, 2, 24, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(rows, heads, dq, generator=gen) for _ in "qk")
+    v = torch.randn(rows, heads, dv, generator=gen)
+    got = attention._cudnn_causal(q, k, v, scale=None, backend=SDPBackend.MATH)
+    assert got.shape == (rows, heads * dv)
+    want = dense_attention(q, k, v, [(0, rows, 0, 0)])
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
