@@ -148,6 +148,8 @@ def _fused(x, rows, dst, weights, counts, fc1, fc2, out, fc1_scale, fc2_scale) -
 
     fp8 = fc1_scale is not None
     tiles = eg.FP8_TILES if fp8 else eg.BF16_TILES
+    # the kernels step along the last dim of each operand: contiguous rows (no-ops as called)
+    x, fc1, fc2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, fc1, fc2))
     row_start, tile_end = eg.schedule(counts, tiles.bm)
     x_scale = None
     if fp8:
