@@ -45,13 +45,16 @@ def main() -> int:
             note="every start compiles their sources (seconds): run `python -m compileall` "
             "on site-packages once, or unset PYTHONDONTWRITEBYTECODE",
         )
-    from consumer.serve import compile_cache
+    from consumer.serve import cache_store, compile_cache
     from consumer.serve.precompile import Precompile
 
     # Before torch is imported: Triton and inductor read these when they first compile.
     cache = compile_cache.apply(
         settings.consumer.compile_cache_dir, settings.redis.home, os.environ
     )
+    remote = cache_store.remote(settings)
+    if remote is not None:  # a fresh machine: the sealed cache from the object store
+        cache = cache_store.pull(cache, remote)
     # The warm-up's kernels compile in other processes while this one imports and loads.
     precompile = Precompile.start(settings, os.environ, cache)
     # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.

@@ -183,9 +183,10 @@ class ModelSettings(_Section):
     fp8: Literal["auto", "dequantize"] = "auto"
     """FP8 block-quantized checkpoints (`quantization_config`, as DeepSeek-V3 publishes): auto:
     where the device runs block-scaled FP8 GEMMs (sm90+, CUDA 12.9+, 128x128 blocks) the
-    tensor-parallel linears (attention, dense MLPs) keep FP8 weights and multiply in FP8, the
-    rest is dequantized; elsewhere all is dequantized. dequantize: always expand the weights at
-    load to `model.dtype` (bf16: twice the FP8 bytes). The log says which (`checkpoint.fp8_*`)."""
+    tensor-parallel linears (attention, dense MLPs) and the routed MoE experts keep FP8
+    weights and multiply in FP8, the rest is dequantized; elsewhere all is dequantized.
+    dequantize: always expand the weights at load to `model.dtype` (bf16: twice the FP8
+    bytes). The log says which (`checkpoint.fp8_*`)."""
 
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model
@@ -350,6 +351,14 @@ class ConsumerSettings(_Section):
     subdirectory is set aside and rebuilt. Unset: `<redis.home>/compile-cache`, unless
     TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR are set already (then used as they are, not
     sealed). In a container, point it at a volume the consumers share (docs/operations.md)."""
+
+    compile_cache_url: str | None = None
+    """An object-store location (`s3://bucket/prefix`, `file:///path`; reached with the
+    `storage.*` endpoint and keys) that also keeps each environment's sealed compile cache, as
+    one archive: a consumer whose local cache is not sealed (a fresh machine) fetches it,
+    checks every file against its manifest and only then uses it; a seal that added kernels
+    stores it again. For machines that share no volume (docs/operations.md). Unset: local
+    only."""
 
     precompile: bool = True
     """On CUDA, compile the warm-up's Triton kernels in parallel worker processes started

@@ -21,6 +21,7 @@ from consumer.forward.scoring import Scorer
 from consumer.group.batching import broadcast_text
 from consumer.group.faults import FaultInjector
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
+from consumer.serve import cache_store
 from consumer.serve.assemble import build_leader
 from consumer.serve.compile_cache import CompileCache
 from consumer.serve.follower import follow
@@ -31,6 +32,7 @@ from consumer.serve.stop import StopFlag
 from shared import weights
 from shared.errors import InvalidCheckpoint
 from shared.settings import Settings
+from shared.storage import ObjectStore
 
 log = structlog.get_logger("teacherq.consumer")
 
@@ -235,13 +237,23 @@ def compiled_kernels(cache: CompileCache | None) -> int:
     return sum(1 for _ in Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json"))
 
 
-def seal(cache: CompileCache | None, precompile: Precompile | None) -> int:
+def seal(
+    cache: CompileCache | None,
+    precompile: Precompile | None,
+    remote: ObjectStore | None = None,
+) -> int:
     """Seal the compile cache after the warm-up (one process per host: LOCAL_RANK 0; the
     other ranks' kernels are sealed by the next start), with this start's precompile plan
-    among those it holds; returns the files listed, 0 if this process does not seal."""
+    among those it holds, and where that changed it, store it in `remote`
+    (`consumer.compile_cache_url`); returns the files listed, 0 if this process does not
+    seal."""
     if cache is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return 0
-    return cache.seal(precompile.plan if precompile else None)
+    before = (cache.sealed_files, cache.plans, cache.state)
+    files = cache.seal(precompile.plan if precompile else None)
+    if remote is not None and (cache.sealed_files, cache.plans, cache.state) != before:
+        cache_store.push(cache, remote)  # in the background: the consumer is ready meanwhile
+    return files
 
 
 class CheckpointLoadError(InvalidCheckpoint):
@@ -307,7 +319,7 @@ def run(
         clock.lap("compile")
         compiled_before = compiled_kernels(compile_cache)
         warmed = warmup(scorer, settings)
-        sealed = seal(compile_cache, precompile)
+        sealed = seal(compile_cache, precompile, cache_store.remote(settings))
         clock.lap("warmup")
         log.info(
             "consumer.warmed_up",
