@@ -6,8 +6,10 @@ On a fresh process (a real `python -m consumer`, an embedded valkey-server, file
    copy, load, compile, warmup, open) in three starts: "cold", a fresh machine (an empty
    compile cache, empty Triton and CUDA homes); "shared", a fresh machine given the cache the
    first start sealed (a copy of its `consumer.compile_cache_dir`, as a volume shared by the
-   consumers hands it over; empty Triton and CUDA homes); "warm", a restart on the first
-   start's own cache and homes. Each with the kernels the warm-up still compiled itself
+   consumers hands it over; empty Triton and CUDA homes); "pulled", a fresh machine with an
+   empty compile cache that fetches the archive the first start stored in object storage
+   (`consumer.compile_cache_url`, here file://); "warm", a restart on the first start's own
+   cache and homes. Each with the kernels the warm-up still compiled itself
    (`compiled_in_warmup`: 0 when the precompile or the cache had them all), the precompile
    workers' seconds, and the cache's state; against the issue's targets (10 s + weight bytes
    at 2 GB/s fresh, 8 s + bytes at 2 GB/s warm).
@@ -288,6 +290,7 @@ def timed_pass(client, reqs: list, timeout: float) -> float:
 STARTS = (
     ("cold", "compile-cache", "machine-a"),
     ("shared", "compile-cache-shared", "machine-b"),
+    ("pulled", "compile-cache-pulled", "machine-c"),
     ("warm", "compile-cache", "machine-a"),
 )
 
@@ -359,7 +362,9 @@ def start(
 def summary(report: dict, out: Path | None) -> None:
     """Targets, the JSON report (stdout, and `out`) and readable lines."""
     load_s = report["weight_bytes"] / 2e9  # the issue's allowance: bytes at 2 GB/s
-    report["targets_s"] = {"cold": 10 + load_s, "shared": 8 + load_s, "warm": 8 + load_s}
+    report["targets_s"] = {
+        "cold": 10 + load_s, "shared": 8 + load_s, "pulled": 8 + load_s, "warm": 8 + load_s
+    }  # fmt: skip
     print(json.dumps(report))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -430,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 "token_budget": args.token_budget,
                 "batch_max_jobs": 256,
                 "block_ms": 200,
+                "compile_cache_url": f"file://{run / 'cache-store'}",
             },
             log={"format": "json"},
         )
@@ -440,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copytree(run / "compile-cache", run / cache)
             consumer, starts[name] = start(name, settings, run, cache, machine, args)
             print(f"# ready ({name}): {starts[name]}", flush=True)
+            if name == "cold":  # its archive stored before the "pulled" machine looks
+                consumer.wait_event("compile_cache.pushed", 1, args.timeout)
             if name != "warm":
                 consumer.stop()
         report["time_to_ready_s"] = starts
