@@ -221,3 +221,37 @@ def test_rowstats_config_is_consistent():
     assert cfg.blocks_per_step * tp_ops.SAMPLE_BLOCK >= 256 and cfg.cap >= 2 * 64
     for n in (cfg.blocks_per_step, cfg.samples_per_program):
         assert n & (n - 1) == 0
+
+
+@pytest.mark.parametrize(
+    ("heads", "nope", "rope", "v", "interleaved"),
+    [(128, 128, 64, 128, True), (3, 16, 8, 16, False), (5, 8, 8, 12, True)],
+    ids=["deepseek-v3", "odd-heads-rotate-half", "tiny-v-not-power-of-2"],
+)
+def test_mla_qkv_kernel_matches_the_pytorch_ops(heads, nope, rope, v, interleaved):
+    """consumer/kernels/mla_rope.py against TeacherMLA's PyTorch ops (de-interleave,
+    concatenate, pad, rotate): equal in float32; in bf16 within one rounding (the kernel
+    rounds once, the ops after each product)."""
+    from consumer.forward.attention import apply_rope
+    from consumer.forward.mla import _deinterleave
+    from consumer.kernels import mla_rope
+
+    rows, lora = 300, 512
+    gen = torch.Generator(device=CUDA).manual_seed(heads + nope)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(rows, heads, nope + rope, generator=gen, device=CUDA).to(dtype)
+        kv = torch.randn(rows, heads, nope + v, generator=gen, device=CUDA).to(dtype)
+        down = torch.randn(rows, lora + rope, generator=gen, device=CUDA).to(dtype)
+        k_pe = down[:, lora:]
+        angles = torch.rand(rows, rope // 2, generator=gen, device=CUDA) * 6.0
+        cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
+        got = mla_rope.mla_qkv(q, kv, k_pe, cos, sin, nope=nope, interleaved=interleaved)
+        q_pe = _deinterleave(q[..., nope:]) if interleaved else q[..., nope:]
+        k_rot = _deinterleave(k_pe) if interleaved else k_pe
+        query = torch.cat((q_pe, q[..., :nope]), dim=-1).float()
+        key = torch.cat((k_rot[:, None, :].expand(rows, heads, rope), kv[..., :nope]), dim=-1)
+        value = torch.nn.functional.pad(kv[..., nope:], (0, nope + rope - v))
+        want = (apply_rope(query, cos, sin), apply_rope(key.float(), cos, sin), value.float())
+        for name, w, g in zip("qkv", want, got, strict=True):
+            assert g.shape == w.shape and g.is_contiguous() and g.dtype == dtype, name
+            torch.testing.assert_close(g.float(), w, atol=tol, rtol=tol, msg=name)
