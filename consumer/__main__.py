@@ -52,8 +52,10 @@ def main() -> int:
     cache = compile_cache.apply(
         settings.consumer.compile_cache_dir, settings.redis.home, os.environ
     )
-    remote = cache_store.remote(settings)
-    if remote is not None:  # a fresh machine: the sealed cache from the object store
+    # A fresh machine: the sealed cache from the object store, fetched by the host's first
+    # rank (which also seals and pushes); the others find it in place before they compile.
+    remote = cache_store.remote(settings) if os.environ.get("LOCAL_RANK", "0") == "0" else None
+    if remote is not None:
         cache = cache_store.pull(cache, remote)
     # The warm-up's kernels compile in other processes while this one imports and loads.
     precompile = Precompile.start(settings, os.environ, cache)

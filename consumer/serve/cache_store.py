@@ -4,8 +4,9 @@ With `consumer.compile_cache_url` set (an `s3://bucket/prefix` or `file://` loca
 with the `storage.*` endpoint and keys), each environment's sealed cache (compile_cache.py)
 is also kept there as one tar archive named after its environment key:
 
-- `pull`, at start, before anything compiles: where the local cache is not sealed (a fresh
-  machine), the archive for this environment is fetched and unpacked beside it, checked
+- `pull`, at start, before anything compiles (by the host's first rank, LOCAL_RANK 0, as
+  the seal is): where the local cache is not sealed (a fresh machine), the archive for this
+  environment is fetched and unpacked beside it, checked
   against its own manifest (every file's size and sha256, the environment key), and only then
   moved into place. An archive that fails the check is not served from: one warning line, and
   the consumer compiles as on an empty cache.
