@@ -33,8 +33,10 @@ how documents longer than the token budget run) goes through SDPA's cuDNN kernel
 padded up to a multiple of LONG_BUCKET so that cuDNN plans for few lengths (rows padded at the
 end of a causal sequence change no earlier row). There its attention is most of the forward,
 and cuDNN ran it 2.2x faster than the varlen flash kernel on an H200 (589-625 against 246-276
-TFLOP/s at 4k-30k tokens with latent attention's head sizes, docs/benchmarks.md). It is used
-where a probe on the device agrees with the varlen path (`cudnn_long_documents`).
+TFLOP/s at 4k-30k tokens, q/k 192 and v 128 dims; the flash call's v padded to 192,
+docs/benchmarks.md). Latent attention still hands it v padded to 192 (not measured that way
+yet). It is used where a probe on the device agrees with the varlen path
+(`cudnn_long_documents`), and left for the rest of the run if cuDNN raises.
 """
 
 from __future__ import annotations
