@@ -75,7 +75,13 @@ def main() -> int:
         with deferred_torch_compile():  # megatron's fusions: torch's compiler when first run
             from consumer.serve.service import run
 
-        return run(settings, started=started, compile_cache=cache, precompile=precompile)
+        return run(
+            settings,
+            started=started,
+            compile_cache=cache,
+            precompile=precompile,
+            cache_remote=remote,
+        )
     except UnsafeRedis as exc:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")

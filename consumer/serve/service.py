@@ -266,12 +266,14 @@ def run(
     started: float | None = None,
     compile_cache: CompileCache | None = None,
     precompile: Precompile | None = None,
+    cache_remote: ObjectStore | None = None,
 ) -> int:
     """Serve the queue until stopped; returns the process exit code. Raises UnsafeRedis,
     before loading the model, when the start-up checks refuse (see `preflight`). `started`
     (time.monotonic() at the process's start) times the import phase of `consumer.ready`;
-    `compile_cache` is sealed after the warm-up; `precompile` (workers compiling the
-    warm-up's kernels) is waited for before it."""
+    `compile_cache` is sealed after the warm-up (and stored in `cache_remote`, the
+    `consumer.compile_cache_url` store `__main__` opened, where the seal changed it);
+    `precompile` (workers compiling the warm-up's kernels) is waited for before it."""
     clock = StartClock(started)
     cpu_compat.apply()
     clock.lap("import")
@@ -319,7 +321,7 @@ def run(
         clock.lap("compile")
         compiled_before = compiled_kernels(compile_cache)
         warmed = warmup(scorer, settings)
-        sealed = seal(compile_cache, precompile, cache_store.remote(settings))
+        sealed = seal(compile_cache, precompile, cache_remote)
         clock.lap("warmup")
         log.info(
             "consumer.warmed_up",
