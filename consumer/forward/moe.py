@@ -75,6 +75,15 @@ class ExpertLayout:
         return self.rank % self.etp
 
 
+def float_routing_weights(spec: ModelSpec) -> bool:
+    """Whether the routing weights the experts' outputs are scaled by stay float32 (DeepSeekMoE's
+    sigmoid routing, Mixtral), else are cast to the activations' dtype (Qwen)."""
+    family = spec.family_record
+    return family is not None and (
+        family.routing == "sigmoid_grouped" or family.float_router_weights
+    )
+
+
 def renormalises(spec: ModelSpec) -> bool:
     """Whether the top-k routing weights are renormalised to sum to one."""
     family = spec.family_record
@@ -101,7 +110,7 @@ class TeacherMoE(torch.nn.Module):
         self.top_k = spec.moe_top_k
         self.renormalise = renormalises(spec)
         self.routing = family.routing if family is not None else "softmax"
-        self.float_weights = family is not None and family.float_router_weights
+        self.float_weights = float_routing_weights(spec)
         self.float_router = family is not None and family.float_router
         self.groups, self.topk_groups = spec.moe_groups, spec.moe_topk_groups
         self.routed_scale = spec.moe_routed_scale

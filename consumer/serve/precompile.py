@@ -161,12 +161,11 @@ def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Varian
     then), routing weights in float32 where the family keeps them so."""
     import torch
 
-    family = spec.family_record
+    from consumer.forward.moe import float_routing_weights
+
     ffn = spec.moe_ffn_hidden_size // max(1, max(tp, ep) // ep)  # a replica: max(tp, ep) ranks
     fp8_experts = fp8 and ffn % 128 == 0 and spec.hidden_size % 128 == 0
-    float_weights = family is not None and (
-        family.routing == "sigmoid_grouped" or family.float_router_weights
-    )
+    float_weights = float_routing_weights(spec)
     params = (("experts", spec.num_experts // ep), ("hidden", spec.hidden_size), ("ffn", ffn),
               ("dtype", dtype), ("fp8", fp8_experts),
               ("routing_dtype", torch.float32 if float_weights else dtype))  # fmt: skip
