@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -312,21 +311,11 @@ def drop_page_cache() -> bool:
 
 
 def versions() -> dict:
-    """The software and the device the figures come from."""
-    from importlib import metadata
+    """The software and the device the figures come from (bench/gpu_common.py's), and the
+    host's CPU count."""
+    from bench.gpu_common import versions as software
 
-    import torch
-
-    out = {"python": platform.python_version()}
-    for package in ("torch", "triton", "megatron-core", "transformers"):
-        try:
-            out[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            out[package] = None
-    out["cuda"] = torch.version.cuda
-    out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    out["cpus"] = os.cpu_count()
-    return out
+    return {**software(), "cpus": os.cpu_count()}
 
 
 def weight_bytes(path: Path) -> int:

@@ -1,11 +1,14 @@
 """What the GPU benches share (bench/gpu_e2e.py and bench/gpu_moe.py both import it, and
-neither imports the other): the H200's peak, the outputs a "full" pass asks for, the
-mixture-of-experts shapes and their active FLOPs, and Hugging Face's padded batches.
+neither imports the other; bench/cold_start.py takes `versions`): the H200's peak, the outputs
+a "full" pass asks for, the mixture-of-experts shapes and their active FLOPs, Hugging Face's
+padded batches, and the software versions a figure is recorded with.
 
 No torch at import time: bench/gpu_e2e.py's parent process does not need it.
 """
 
 from __future__ import annotations
+
+import platform
 
 PEAK_FLOPS = 790e12  # bf16 dense FLOP/s measured on an H200
 TOP_K, SAMPLES = 64, 8  # a "full" pass: top-64, 8 samples (and the entropy)
@@ -136,3 +139,20 @@ def padded_tensors(batch: list, device):
         ids[i, : len(d)] = torch.as_tensor(d)
         mask[i, : len(d)] = 1
     return ids.to(device), mask.to(device)
+
+
+def versions() -> dict:
+    """The software and the device a figure was measured with (torch imported here)."""
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "triton", "megatron.core"):
+        try:
+            mod = __import__(name, fromlist=["__version__"])
+            out[name] = getattr(mod, "__version__", "?")
+        except ImportError:
+            out[name] = None
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name()
+        out["cuda"] = torch.version.cuda
+    return out

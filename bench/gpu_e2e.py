@@ -69,7 +69,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -90,6 +89,7 @@ from bench.gpu_common import (  # noqa: E402 - the repository is on the path fro
     padded_batches,
     padded_tensors,
     shape,
+    versions,
 )
 
 _QWEN2 = {
@@ -352,22 +352,6 @@ def _timed_passes(
     }
 
 
-def _versions() -> dict:
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "triton", "megatron.core"):
-        try:
-            mod = __import__(name, fromlist=["__version__"])
-            out[name] = getattr(mod, "__version__", "?")
-        except ImportError:
-            out[name] = None
-    if torch.cuda.is_available():
-        out["device"] = torch.cuda.get_device_name()
-        out["cuda"] = torch.version.cuda
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # (a) and (b): Hugging Face, in its own process
 # --------------------------------------------------------------------------------------------
@@ -392,7 +376,7 @@ def hf_child(args: argparse.Namespace) -> None:
     torch.set_default_dtype(torch.float32)
     model.eval().requires_grad_(False)
     weights = torch.cuda.memory_allocated() if cuda else None
-    out = {"versions": _versions(), "weights_gib": _gib(weights), "runs": {}}
+    out = {"versions": versions(), "weights_gib": _gib(weights), "runs": {}}
 
     @torch.inference_mode()
     def path_a(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -616,7 +600,7 @@ def _direct(scorer, args: argparse.Namespace, cfg: dict) -> dict:
 
     cuda = scorer.device.type == "cuda"
     vocab = cfg["vocab_size"]
-    out: dict = {"versions": _versions(), "kernels": _kernel_mode(args)}
+    out: dict = {"versions": versions(), "kernels": _kernel_mode(args)}
     for name in args.workloads:
         res: dict = {}
 

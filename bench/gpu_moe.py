@@ -71,6 +71,7 @@ from bench.gpu_common import (
     padded_batches,
     padded_tensors,
     shape,
+    versions,
 )
 
 
@@ -246,19 +247,6 @@ def run_teacherq(model, spec, layout, docs, args, device) -> tuple[float, list[n
 
     seconds = _timed(one_pass, device, args.iters)
     return seconds, [results[f"d{i}"] for i in range(len(docs))]
-
-
-def versions() -> dict:
-    """The software a figure was measured with."""
-    import platform
-
-    import transformers
-    import triton
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": device}  # fmt: skip
 
 
 def profile_pass(model, spec, layout, docs, args, device, top: int = 25) -> list[dict]:
