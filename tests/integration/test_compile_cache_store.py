@@ -56,20 +56,24 @@ def _compile(env: dict[str, str], name: str, body: bytes) -> None:
     f.write_bytes(body)
 
 
-def _seal_and_push(cache, store: ObjectStore) -> None:
+def _stored(settings: Settings, root: Path, files: dict[str, bytes]):
+    """(the store, the cache) after a machine at `root` compiled `files`, sealed its cache
+    with PLAN and stored the archive."""
+    store = cache_store.remote(settings)
+    assert store is not None
+    cache, env = _machine(root)
+    for name, body in files.items():
+        _compile(env, name, body)
     cache.seal(PLAN)
     cache_store.push(cache, store, wait=True)
+    return store, cache
 
 
 def test_a_fresh_machine_starts_from_the_archive_another_one_stored(
     settings: Settings, tmp_path: Path
 ) -> None:
-    store = cache_store.remote(settings)
-    assert store is not None
-    first, env = _machine(tmp_path / "a")
-    _compile(env, "k.cubin", b"kernel bytes")
-    _compile(env, "k.json", b"{}")
-    _seal_and_push(first, store)
+    files = {"k.cubin": b"kernel bytes", "k.json": b"{}"}
+    store, _ = _stored(settings, tmp_path / "a", files)
 
     fresh, env_b = _machine(tmp_path / "b")
     assert fresh.state == "new" and not fresh.holds(PLAN)
@@ -83,11 +87,7 @@ def test_a_fresh_machine_starts_from_the_archive_another_one_stored(
 
 
 def test_a_tampered_archive_is_refused_with_one_warning(settings: Settings, tmp_path: Path):
-    store = cache_store.remote(settings)
-    assert store is not None
-    first, env = _machine(tmp_path / "a")
-    _compile(env, "k.cubin", b"kernel bytes")
-    _seal_and_push(first, store)
+    store, first = _stored(settings, tmp_path / "a", {"k.cubin": b"kernel bytes"})
     # the same archive with one kernel's bytes changed after the seal
     name = cache_store.archive_name(first)
     buffer = io.BytesIO()
@@ -113,11 +113,7 @@ def test_a_tampered_archive_is_refused_with_one_warning(settings: Settings, tmp_
 
 
 def test_another_environment_never_fetches_the_archive(settings: Settings, tmp_path: Path):
-    store = cache_store.remote(settings)
-    assert store is not None
-    first, env = _machine(tmp_path / "a")
-    _compile(env, "k.cubin", b"kernel bytes")
-    _seal_and_push(first, store)
+    store, _ = _stored(settings, tmp_path / "a", {"k.cubin": b"kernel bytes"})
     other, _ = _machine(tmp_path / "b", key={**KEY, "triton": "3.7.0"})
     assert cache_store.pull(other, store).state == "new"
 
@@ -125,11 +121,7 @@ def test_another_environment_never_fetches_the_archive(settings: Settings, tmp_p
 def test_a_seal_that_added_nothing_stores_nothing(settings: Settings, tmp_path: Path) -> None:
     from consumer.serve.service import seal
 
-    store = cache_store.remote(settings)
-    assert store is not None
-    first, env = _machine(tmp_path / "a")
-    _compile(env, "k.cubin", b"kernel bytes")
-    _seal_and_push(first, store)
+    store, first = _stored(settings, tmp_path / "a", {"k.cubin": b"kernel bytes"})
     name = cache_store.archive_name(first)
     store.delete(name)  # a push now would bring it back
 
