@@ -86,6 +86,9 @@ def main() -> int:
         if rank == 0:
             sys.stderr.write(f"teacherq consumer: refusing to start: {exc}\n")
         return CONFIG
+    except SettingsError as exc:  # a setting only the start could test (a metrics port)
+        sys.stderr.write(f"teacherq consumer: {exc}\n")
+        return CONFIG
     except ResultNotStored as exc:  # logged as store.failed; the cause at debug level
         structlog.get_logger("teacherq.consumer").debug("store.failed_cause", exc_info=exc)
         sys.stderr.write(f"teacherq consumer: stopping: {exc}\n")

@@ -139,9 +139,11 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, backend: str | None = None) 
         if "RANK" in os.environ:  # launched by torchrun: its env:// rendezvous
             dist.init_process_group(backend=backend)
         else:  # a world of one; the environment stays untouched for child processes
+            from shared.redis_server import free_port
+
             dist.init_process_group(
                 backend=backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
             )
@@ -200,11 +202,3 @@ def shutdown() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import random
 import socket
 import subprocess
 import time
@@ -54,10 +55,32 @@ def server_args(*, data_dir: Path, port: int, daemonize: bool) -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback right now."""
+    """A TCP port free on loopback right now, for a server started next.
+
+    Picked below the kernel's ephemeral range where there is room: a port the OS hands out
+    (bind to port 0) is an ephemeral one, which any outgoing connection may take as its local
+    port before the server binds it (seen in the test suite: a consumer's metrics port taken
+    by another test's Redis client)."""
+    low = _ephemeral_low()
+    if low > 20000:
+        for _ in range(100):
+            port = _PICK.randrange(low - 12000, low)
+            if _port_free(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_PICK = random.SystemRandom()  # never a seeded sequence that two test workers share
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def wait_ready(url: str, *, timeout: float = 10.0) -> None:

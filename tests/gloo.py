@@ -13,7 +13,6 @@ import contextlib
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -24,18 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shared.redis_server import free_port
 from tests.timing import scaled
 
 
 class ChildFailed(AssertionError):
     """A spawned rank raised, died or did not finish; the message holds what is known."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(

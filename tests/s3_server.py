@@ -19,7 +19,6 @@ machine. ``S3Server.env()`` gives the ``AWS_*`` variables that point a client at
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from shared.redis_server import free_port
 from tests.timing import scaled
 
 ACCESS_KEY_ID = "testing"
@@ -40,13 +40,6 @@ SECRET_ACCESS_KEY = "testing"
 REGION = "us-east-1"
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class S3Server:

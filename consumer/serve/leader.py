@@ -38,6 +38,7 @@ from consumer.serve.preflight import check_redis
 from consumer.serve.writer import WriteTask
 from shared import weights
 from shared.queue_metrics import QueueCollector
+from shared.settings import SettingsError
 from shared.streams import Entry
 from shared.tracing import new_id, now
 
@@ -110,6 +111,8 @@ class Leader:
         check_redis(self.r, policy=self.c.durable_redis)
         self.streams.ensure_group()
         self._publish_model()
+        if self.c.metrics_port:  # before ready: a port that cannot be served stops the start
+            self._serve_metrics()
         # Ready from the first beat: a supervisor (or `teacherq status`) waiting for this
         # replica sees it now, not one heartbeat interval later.
         self.heartbeat.state = "ready"
@@ -118,14 +121,6 @@ class Leader:
         log.info(
             "consumer.ready", consumer=self.name, model_version=self.loaded.version, phases_s=phases
         )
-        if self.c.metrics_port:
-            # One port per data-parallel replica of a launch, so leaders never clash.
-            if self.loaded.scorer.layout.dp_rank == 0:  # the queue's figures once per launch
-                collector = QueueCollector(
-                    self.r, [self.queue], group=self.streams.group, live_after_s=self.c.live_after_s
-                )
-                self.metrics.registry.register(collector)
-            self.metrics.serve(self.c.metrics_port + self.loaded.scorer.layout.dp_rank)
         self.metrics.tick("ready")
         fetcher = Prefetcher(
             self._fetch,
@@ -176,6 +171,26 @@ class Leader:
         period are given up (the loop may be waiting on them), so the consumer exits."""
         if self.stop.requested and not self.writer.abandoning:
             self.writer.abandon_after(self.c.stop_grace_s)
+
+    def _serve_metrics(self) -> None:
+        """Serve /metrics and /healthz on `consumer.metrics_port` (+ the data-parallel rank: one
+        port per replica of a launch, so leaders never clash), the queue's figures on the first
+        replica's; a port that cannot be bound is a settings error naming it."""
+        dp_rank = self.loaded.scorer.layout.dp_rank
+        if dp_rank == 0:  # the queue's figures once per launch
+            collector = QueueCollector(
+                self.r, [self.queue], group=self.streams.group, live_after_s=self.c.live_after_s
+            )
+            self.metrics.registry.register(collector)
+        port = self.c.metrics_port + dp_rank
+        try:
+            self.metrics.serve(port)
+        except OSError as exc:
+            replica = f" (metrics_port + data-parallel rank {dp_rank})" if dp_rank else ""
+            raise SettingsError(
+                f"TEACHERQ_CONSUMER__METRICS_PORT: cannot serve metrics on port {port}{replica}: "
+                f"{exc.strerror or exc}; choose a free port, or 0 to serve none"
+            ) from None
 
     def _loop(self, fetcher: Prefetcher) -> None:
         """Take claimed entries and process them until stopped and empty-handed."""

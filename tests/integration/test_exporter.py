@@ -118,6 +118,29 @@ def test_consumer_serves_queue_figures(settings: Settings, start_consumer) -> No
     assert "_created" not in text
 
 
+def test_a_taken_metrics_port_stops_the_start_naming_the_setting(
+    settings: Settings, start_consumer
+) -> None:
+    """A consumer whose metrics port is taken exits with 78 (a configuration error) and one
+    line naming the setting, before it ever reports ready (before, it died after its
+    heartbeat had said ready, and jobs waited for it)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = settings.model_copy(
+            update={"consumer": settings.consumer.model_copy(update={"metrics_port": port})}
+        )
+        proc = start_consumer(s, wait=False)
+        assert proc.wait(timeout=scaled(120)) == 78
+    out = proc.log_path.read_text()
+    assert f"TEACHERQ_CONSUMER__METRICS_PORT: cannot serve metrics on port {port}" in out
+    assert "Traceback" not in out
+    assert "consumer.ready" not in out
+
+
 def test_grafana_dashboard_queries_only_served_metrics() -> None:
     """configs/grafana-teacherq.json parses, and every metric its panels query is one the
     exporter or a consumer serves (a renamed metric would leave a panel empty)."""
