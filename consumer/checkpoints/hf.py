@@ -45,6 +45,8 @@ from consumer.checkpoints.hf_config import (
     validate_hf_config,
 )
 from consumer.checkpoints.hf_files import HfCheckpoint
+from consumer.checkpoints.parallel_read import THREADS as READ_THREADS
+from consumer.checkpoints.parallel_read import read_ahead
 from consumer.checkpoints.validate import CheckpointError, inventory_problems, raise_problems
 from consumer.forward.load_phases import phase
 from consumer.forward.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
@@ -215,8 +217,8 @@ def _vocab_rows(spec: ModelSpec, name: str, layout: ParallelLayout) -> Reader:
     def read(ckpt: HfCheckpoint) -> torch.Tensor:
         real = slice(want.start, min(want.stop, spec.vocab_size))
         rows = ckpt.read(name, rows=real) if real.start < real.stop else None
-        dtype = rows.dtype if rows is not None else torch.float32
-        out = torch.zeros(want.stop - want.start, spec.hidden_size, dtype=dtype)
+        dtype, device = (rows.dtype, rows.device) if rows is not None else (torch.float32, "cpu")
+        out = torch.zeros(want.stop - want.start, spec.hidden_size, dtype=dtype, device=device)
         if rows is not None:
             out[: rows.shape[0]] = rows
         return out
@@ -299,13 +301,16 @@ def load_hf_weights(
     layout: ParallelLayout,
     *,
     fp8: str = "auto",
+    read_threads: int = READ_THREADS,
 ) -> None:
     """Overwrite every parameter of this rank's `model` with its shard from `checkpoint`.
 
     `model` must have been built from `spec` at `layout`; an FP8 checkpoint is dequantized
     to the model's dtype, or its linears and experts held in FP8 where FP8 GEMMs run (`fp8`:
-    the `model.fp8` setting). Raises `CheckpointError` if a shard does not fit its parameter,
-    and RuntimeError if a parameter would be left unloaded.
+    the `model.fp8` setting). `read_threads` threads read the shards' bytes from disk ahead
+    of the copy (`parallel_read`; 0: the copy's page faults read them). Raises
+    `CheckpointError` if a shard does not fit its parameter, and RuntimeError if a parameter
+    would be left unloaded.
     """
     ckpt = checkpoint if isinstance(checkpoint, HfCheckpoint) else HfCheckpoint(checkpoint)
     readers = hf_shard_readers(spec, layout, ckpt.shapes)
@@ -322,11 +327,11 @@ def load_hf_weights(
     if unloaded or unknown:
         # the model was built from a different spec than the readers describe
         raise RuntimeError(f"parameter mismatch: no reader for {unloaded}, no parameter {unknown}")
+    loads = [(name, read) for name, read in readers.items() if name not in in_fp8]
     writer = ParamWriter(next(iter(params.values())).device)
+    ahead = read_ahead(ckpt, [read for _, read in loads], threads=read_threads)
     try:
-        for name, read in readers.items():
-            if name in in_fp8:
-                continue
+        for i, (name, read) in enumerate(loads):
             with phase("read"):
                 shard = read(ckpt)
             param = params[name]
@@ -336,10 +341,13 @@ def load_hf_weights(
                     f"the model expects {list(param.shape)}"
                 )
             with phase("copy"):
-                writer.write(param, shard)
+                writer.write(param, shard)  # the map's pages are read here
+            ahead.advance(i)
     finally:
+        ahead.close()
         with phase("copy"):
             writer.finish()
+    log.debug("checkpoint.read_ahead", threads=ahead.threads, bytes=ahead.bytes_read)
 
 
 def fp8_plan(ckpt: HfCheckpoint, device: torch.device, fp8: str) -> tuple | None:

@@ -9,8 +9,10 @@ A leaf of the checkpoint package: the family-specific readers (`hf.py`, `hf_moe.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -129,10 +131,7 @@ class HfCheckpoint:
     def _stored(self, name: str) -> torch.Tensor | None:
         """Tensor `name` as a view of its file's memory map (no copy: pages are read when the
         view is), or None for a dtype torch cannot view (safetensors then reads it)."""
-        file = self._file_of[name]
-        if file not in self._maps:
-            self._maps[file] = _map_safetensors(file)
-        mapped, base, header = self._maps[file]
+        mapped, base, header = self.mapping(self._file_of[name])
         info = header.get(name)
         if not isinstance(info, dict) or info.get("dtype") not in _VIEW_DTYPES:
             return None
@@ -140,6 +139,29 @@ class HfCheckpoint:
         start, end = info["data_offsets"]
         raw = torch.frombuffer(mapped, dtype=torch.uint8, offset=base + start, count=end - start)
         return raw.view(dtype).reshape(info["shape"])
+
+    def byte_span(self, name: str, slices: Sequence[slice] = ()) -> tuple[Path, int, int]:
+        """The file holding tensor `name`, and the bytes [start, end) of it that
+        `name[slices]` lies within (leading dimensions sliced; a slice of columns spans the
+        rows it cuts through)."""
+        file = self._file_of[name]
+        _, base, header = self.mapping(file)
+        begin, end = (base + at for at in header[name]["data_offsets"])
+        shape = self.shapes[name]
+        ranges = hf_fp8.slice_ranges(shape, slices)
+        if not shape or any(a >= b for a, b in ranges):
+            return file, begin, begin
+        itemsize = (end - begin) // math.prod(shape)
+        first = _flat_index(shape, [a for a, _ in ranges])
+        last = _flat_index(shape, [b - 1 for _, b in ranges])
+        return file, begin + first * itemsize, begin + (last + 1) * itemsize
+
+    def mapping(self, file: Path) -> tuple[mmap.mmap, int, dict]:
+        """`file`'s private memory map (the one every view of its tensors is made from),
+        where its data starts, and its header; mapped at the first call."""
+        if file not in self._maps:
+            self._maps[file] = _map_safetensors(file)
+        return self._maps[file]
 
     def close(self) -> None:
         """Drop the open file handles and maps (a map lives on while a view of it does)."""
@@ -177,3 +199,11 @@ def _map_safetensors(file: Path) -> tuple[mmap.mmap, int, dict]:
         header = json.loads(f.read(size))
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     return mapped, 8 + size, header
+
+
+def _flat_index(shape: Sequence[int], index: Sequence[int]) -> int:
+    """Row-major position of element `index` in a tensor of `shape`."""
+    flat = 0
+    for n, i in zip(shape, index, strict=True):
+        flat = flat * n + i
+    return flat

@@ -1,0 +1,279 @@
+"""Bring a checkpoint's bytes in with many reads in flight, just ahead of the loader.
+
+The loader copies each tensor out of its file's memory map. When the page cache does not hold
+the checkpoint (a fresh machine, or one whose memory went to something else), each page comes
+in through a fault of the copying thread, with the kernel's readahead as the only reads in
+flight, and each page is mapped by one fault at a time.
+
+`ReadAhead` works through the byte ranges the loader will copy, in the order it copies them,
+on a few threads: each asks the kernel to populate the loader's own mapping for a range
+(`MADV_POPULATE_READ`: the pages read into the page cache and mapped, no copy), so when the
+loader gets there its copy neither waits on the disk nor faults. Without that advice (a kernel
+before 5.14, or no mapping given) a thread reads the range with `pread` instead, which fills the
+page cache. It stays at most `window` bytes ahead of the loader (a checkpoint larger than
+memory must not evict its own pages before they are used) and skips a range the loader has
+passed. Measured in docs/benchmarks.md ("Checkpoint reads").
+
+`read_plan` finds the ranges by running the loader's own readers against `PlanView`, a
+checkpoint whose reads record what they touch and return tensors on the meta device, so the
+plan cannot drift from what the readers read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from consumer.checkpoints import hf_fp8
+from consumer.checkpoints.hf_files import _VIEW_DTYPES, HfCheckpoint
+
+log = structlog.get_logger(__name__)
+
+CHUNK = 16 << 20
+"""Bytes per read: large enough that a read is not dominated by its call, small enough that
+the threads share a tensor."""
+THREADS = 8
+"""Reads in flight. They wait on the disk, not on a CPU, so more threads than cores serve."""
+WINDOW = 2 << 30
+"""How far ahead of the loader reads may run (bytes); lowered to a quarter of the memory
+available where that is less."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [start, end) of a file that a read touches."""
+
+    path: Path
+    start: int
+    end: int
+
+
+class PlanView(HfCheckpoint):
+    """The checkpoint, with reads that record the spans they would touch (`spans`) and return
+    an empty tensor of the right shape on the meta device. Shares `ckpt`'s open files."""
+
+    def __init__(self, ckpt: HfCheckpoint) -> None:
+        self.__dict__.update(ckpt.__dict__)
+        self.spans: list[Span] = []
+
+    def read_slices(self, name: str, *slices: slice) -> torch.Tensor:
+        scale = self.scales.get(name)
+        self.spans.append(Span(*self.byte_span(name, slices)))
+        if scale is not None:  # FP8: read dequantized, with its scales
+            self.spans.append(Span(*self.byte_span(scale)))
+        shape = [b - a for a, b in hf_fp8.slice_ranges(self.shapes[name], slices)]
+        dtype = torch.float32 if scale is not None else _VIEW_DTYPES.get(self.dtypes[name])
+        return torch.empty(shape, dtype=dtype or torch.uint8, device="meta")
+
+
+def read_plan(
+    ckpt: HfCheckpoint, readers: Iterable[Callable[[HfCheckpoint], object]]
+) -> list[list[Span]]:
+    """For each reader, in order, the spans it reads. A reader that does more with its reads
+    than the meta tensors can follow (copies them into a padded tensor, say) keeps the spans
+    it recorded before that."""
+    view = PlanView(ckpt)
+    plan = []
+    for read in readers:
+        view.spans = []
+        with contextlib.suppress(Exception):  # a plan is an optimisation, never a failure
+            read(view)
+        plan.append(view.spans)
+    return plan
+
+
+def read_ahead(
+    ckpt: HfCheckpoint, readers: Iterable[Callable[[HfCheckpoint], object]], *, threads: int
+) -> ReadAhead:
+    """A started `ReadAhead` over what `readers` will read of `ckpt`, populating `ckpt`'s own
+    memory maps (the ones the loader's views come from); none at `threads` = 0."""
+    plan = read_plan(ckpt, readers) if threads > 0 else []
+    files = {span.path for spans in plan for span in spans}
+    maps = {file: ckpt.mapping(file)[0] for file in files}
+    return ReadAhead(plan, maps=maps, threads=threads).start()
+
+
+class ReadAhead:
+    """Brings in `plan`'s spans on `threads` threads, at most `window` bytes ahead of the
+    loader (see the module doc): populating `maps[path]` (the loader's memory map of that file)
+    where given, else reading the file. Call `advance(i)` when the loader has read group i,
+    and `close` at the end; `start` begins. A read that fails is left to the loader (which
+    raises or not as it would have)."""
+
+    def __init__(
+        self,
+        plan: Sequence[Sequence[Span]],
+        *,
+        maps: Mapping[Path, mmap.mmap] | None = None,
+        threads: int = THREADS,
+        window: int | None = None,
+        chunk: int = CHUNK,
+    ) -> None:
+        self._chunks = list(_chunks(plan, chunk))
+        self._ends = _group_ends(plan)  # bytes of the plan up to the end of each group
+        self.window = window if window is not None else default_window()
+        self.threads = threads if self._chunks else 0
+        self.maps = dict(maps or {})
+        self.bytes_read = 0
+        """Bytes brought in (populated or read; those cached already included)."""
+        self.failed = 0
+        """Chunks whose read failed (left to the loader)."""
+        self.waiting = 0
+        """Threads waiting for the loader to advance (the window is full)."""
+        self._next = 0
+        self._done_group = -1
+        self._consumed = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._workers: list[threading.Thread] = []
+        self._chunk = chunk
+
+    def start(self) -> ReadAhead:
+        for i in range(self.threads):
+            worker = threading.Thread(target=self._work, name=f"tq-read-ahead-{i}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        return self
+
+    def advance(self, group: int) -> None:
+        """The loader has read group `group` (and all before it)."""
+        with self._cond:
+            self._done_group = max(self._done_group, group)
+            self._consumed = self._ends[group] if self._ends else 0
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
+
+    def __enter__(self) -> ReadAhead:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _take(self) -> _Chunk | None:
+        """The next chunk to read, waiting while it lies beyond the window; None at the end."""
+        with self._cond:
+            while True:
+                if self._closed or self._next >= len(self._chunks):
+                    return None
+                chunk = self._chunks[self._next]
+                if chunk.group <= self._done_group:  # the loader is past it
+                    self._next += 1
+                    continue
+                if chunk.offset - self._consumed < self.window:
+                    self._next += 1
+                    return chunk
+                self.waiting += 1
+                self._cond.wait()
+                self.waiting -= 1
+
+    def _work(self) -> None:
+        buffer: bytearray | None = None  # for pread, made at its first use
+        files: dict[Path, int] = {}
+        try:
+            while (chunk := self._take()) is not None:
+                try:
+                    mapped = self.maps.get(chunk.path)
+                    if mapped is not None and _populate(mapped, chunk.start, chunk.end):
+                        done = chunk.end - chunk.start
+                    else:
+                        fd = files.get(chunk.path)
+                        if fd is None:
+                            fd = files[chunk.path] = os.open(chunk.path, os.O_RDONLY)
+                        buffer = buffer or bytearray(self._chunk)
+                        done = _read(fd, chunk.start, chunk.end, buffer)
+                    with self._cond:
+                        self.bytes_read += done
+                except (OSError, ValueError) as exc:
+                    with self._cond:
+                        self.failed += 1
+                    log.debug("checkpoint.read_ahead_failed", file=str(chunk.path), error=str(exc))
+        finally:
+            for fd in files.values():
+                os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    group: int
+    offset: int  # bytes of the plan before this chunk
+    path: Path
+    start: int
+    end: int
+
+
+def _chunks(plan: Sequence[Sequence[Span]], size: int) -> Iterable[_Chunk]:
+    offset = 0
+    for group, spans in enumerate(plan):
+        for span in spans:
+            for start in range(span.start, span.end, size):
+                end = min(span.end, start + size)
+                yield _Chunk(group, offset, span.path, start, end)
+                offset += end - start
+
+
+def _group_ends(plan: Sequence[Sequence[Span]]) -> list[int]:
+    ends, total = [], 0
+    for spans in plan:
+        total += sum(s.end - s.start for s in spans)
+        ends.append(total)
+    return ends
+
+
+def _read(fd: int, start: int, end: int, buffer: bytearray) -> int:
+    """Read [start, end) of `fd` into `buffer` (and so into the page cache); bytes read."""
+    done = 0
+    view = memoryview(buffer)
+    while start + done < end:
+        n = os.preadv(fd, [view[: min(len(buffer), end - start - done)]], start + done)
+        if n <= 0:
+            break  # the file is shorter than its header says: the loader will say so
+        done += n
+    return done
+
+
+# Linux 5.14+ (Python names it from 3.12 on; its value is fixed by the kernel's ABI)
+_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else 0)
+_populate_works = _POPULATE_READ != 0
+
+
+def _populate(mapped: mmap.mmap, start: int, end: int) -> bool:
+    """Fault [start, end) of `mapped` in (read from disk where not cached, and mapped); False
+    where the kernel has no MADV_POPULATE_READ (then never asked again)."""
+    global _populate_works
+    if not _populate_works:
+        return False
+    aligned = start - start % mmap.PAGESIZE
+    try:
+        mapped.madvise(_POPULATE_READ, aligned, end - aligned)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _populate_works = False  # a kernel before 5.14
+        return False
+    return True
+
+
+def default_window() -> int:
+    """`WINDOW`, or a quarter of the memory available where that is less."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return max(CHUNK, min(WINDOW, int(line.split()[1]) * 1024 // 4))
+    return WINDOW

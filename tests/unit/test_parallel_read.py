@@ -1,0 +1,193 @@
+"""Checkpoint reads ahead of the loader (consumer/checkpoints/parallel_read.py): the plan covers
+every byte the readers read (a copy of the checkpoint garbled everywhere else loads the same
+weights), and `ReadAhead` brings every planned page into the page cache (populating the
+loader's map, or reading), stays inside its window and skips what the loader has passed."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
+from consumer.checkpoints.hf import hf_shard_readers
+from consumer.checkpoints.parallel_read import ReadAhead, Span, read_plan
+from consumer.parallel import ParallelLayout
+from tests.fp8_reference import write_fp8_pair
+from tests.timing import wait_until
+
+MOE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
+FAMILIES = {
+    "qwen2": {},
+    "qwen3_moe": MOE,
+    "deepseek_v3": {**MOE, "first_k_dense_replace": 1, "num_kv_heads": 4},
+}
+
+
+def _layout(tp: int, rank: int, ep: int = 1) -> ParallelLayout:
+    size = max(tp, ep)
+    return ParallelLayout(
+        world_size=size, rank=rank, tp=tp, pp=1, dp=1, tp_rank=rank % tp, pp_rank=0, dp_rank=0,
+        tp_group=None, leader_rank=0, ep=ep,
+    )  # fmt: skip
+
+
+def _garbled_outside(plan: list[list[Span]], src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` whose tensor bytes outside `plan`'s spans are all 0xFF (NaN
+    in every float dtype), its headers and config kept."""
+    shutil.copytree(src, dst)
+    planned: dict[str, list[Span]] = {}
+    for spans in plan:
+        for span in spans:
+            planned.setdefault(span.path.name, []).append(span)
+    for file in dst.glob("*.safetensors"):
+        data = bytearray(file.read_bytes())
+        (header,) = struct.unpack("<Q", data[:8])
+        keep = bytearray(data)
+        data[8 + header :] = b"\xff" * (len(data) - 8 - header)
+        for span in planned.get(file.name, []):
+            data[span.start : span.end] = keep[span.start : span.end]
+        file.write_bytes(bytes(data))
+    return dst
+
+
+def _read_all(ckpt: HfCheckpoint, readers: dict) -> dict[str, torch.Tensor]:
+    return {name: read(ckpt).clone() for name, read in readers.items()}
+
+
+@pytest.mark.parametrize(
+    "family, fp8, tp, ep, rank",
+    [
+        ("qwen2", False, 1, 1, 0),
+        ("qwen2", False, 2, 1, 1),
+        ("qwen3_moe", False, 2, 1, 1),
+        ("qwen3_moe", False, 1, 2, 1),
+        ("deepseek_v3", False, 2, 1, 0),
+        ("deepseek_v3", True, 2, 1, 1),
+    ],
+)
+def test_plan_covers_every_byte_the_readers_read(
+    hf_checkpoint, tmp_path, family, fp8, tp, ep, rank
+):
+    path = hf_checkpoint(family, f"read-plan-{family}", seed=5, vocab_size=300, **FAMILIES[family])
+    if fp8:
+        path, _ = write_fp8_pair(path, tmp_path / "fp8", [8, 8])
+    ckpt = HfCheckpoint(path)
+    readers = hf_shard_readers(spec_from_hf_config(ckpt.config), _layout(tp, rank, ep))
+    plan = read_plan(ckpt, readers.values())
+    assert len(plan) == len(readers) and all(plan), "every reader reads something"
+
+    garbled = HfCheckpoint(_garbled_outside(plan, Path(path), tmp_path / "garbled"))
+    expected, got = _read_all(ckpt, readers), _read_all(garbled, readers)
+    for name in readers:
+        assert torch.equal(got[name], expected[name]), f"{name} read bytes outside its plan"
+
+    planned = sum(s.end - s.start for spans in plan for s in spans)
+    stored = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    share = 0.8 if tp > 1 else 0.9 if ep > 1 else 1.0  # replicated parts (norms, MLA latents)
+    assert planned <= share * stored, f"a rank plans its share: {planned} of {stored} bytes"
+
+
+def test_garbling_outside_a_short_plan_is_caught(hf_checkpoint, tmp_path):
+    """The check above can fail: a plan missing one reader's spans loads NaNs there."""
+    path = hf_checkpoint("qwen2", "read-plan-qwen2", seed=5, vocab_size=300)
+    ckpt = HfCheckpoint(path)
+    readers = hf_shard_readers(spec_from_hf_config(ckpt.config), _layout(1, 0))
+    plan = read_plan(ckpt, readers.values())
+    names = list(readers)
+    dropped = names.index("decoder.layers.0.mlp.linear_fc2.weight")
+    plan[dropped] = []
+    garbled = HfCheckpoint(_garbled_outside(plan, Path(path), tmp_path / "garbled"))
+    assert torch.isnan(readers[names[dropped]](garbled)).all()
+
+
+# ReadAhead on a plain file: groups of 1 MiB, read in chunks of 256 KiB.
+MIB = 1 << 20
+
+
+@pytest.fixture
+def data_file(tmp_path) -> Path:
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(10 * MIB))
+    return path
+
+
+def _groups(path: Path, n: int = 10) -> list[list[Span]]:
+    return [[Span(path, i * MIB, (i + 1) * MIB)] for i in range(n)]
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _seen(ahead: ReadAhead) -> int:
+    return ahead.bytes_read
+
+
+def _cached_pages(path: Path, start: int, end: int) -> int:
+    """How many pages of [start, end) the page cache holds (a read that would wait on the
+    disk fails at once with RWF_NOWAIT). A probe that misses starts reading its page: probe
+    each page once."""
+    cached, probe, page = 0, bytearray(1), mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around a miss
+        for at in range(start - start % page, end, page):
+            with contextlib.suppress(BlockingIOError):
+                cached += os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1
+    finally:
+        os.close(fd)
+    return cached
+
+
+@pytest.mark.parametrize("how", ["populate", "pread"])
+def test_every_planned_page_is_brought_in(data_file, how):
+    plan = _groups(data_file, 4) + [[Span(data_file, 6 * MIB + 3, 6 * MIB + 3 + MIB // 3)]]
+    total = 4 * MIB + MIB // 3
+    _evict(data_file)
+    # (a probe that misses reads its page in: only a page outside the plan is probed here)
+    assert _cached_pages(data_file, 9 * MIB, 9 * MIB + 1) == 0, "the eviction did not evict"
+    with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        maps = {data_file: mapped} if how == "populate" else None
+        with ReadAhead(plan, maps=maps, threads=3, window=64 * MIB, chunk=MIB // 4) as ahead:
+            wait_until(lambda: _seen(ahead) == total, "the read-ahead to bring the plan in")
+    assert _seen(ahead) == total and ahead.failed == 0
+    for spans in plan:
+        for span in spans:
+            pages = range(span.start - span.start % mmap.PAGESIZE, span.end, mmap.PAGESIZE)
+            assert _cached_pages(data_file, span.start, span.end) == len(pages), span
+
+
+def test_reads_stay_inside_the_window(data_file):
+    with ReadAhead(_groups(data_file), threads=4, window=2 * MIB, chunk=MIB // 4) as ahead:
+        wait_until(lambda: ahead.waiting == 4, "every thread to wait at the window's edge")
+        assert _seen(ahead) == 2 * MIB
+        ahead.advance(0)  # the loader finished the first group: one more group's room
+        wait_until(lambda: _seen(ahead) == 3 * MIB and ahead.waiting == 4, "one more group")
+        assert _seen(ahead) == 3 * MIB
+
+
+def test_groups_the_loader_has_passed_are_skipped(data_file):
+    ahead = ReadAhead(_groups(data_file), threads=2, window=64 * MIB, chunk=MIB)
+    ahead.advance(5)  # the loader is past group 5 before a thread starts
+    with ahead:
+        wait_until(lambda: _seen(ahead) == 4 * MIB, "groups 6 to 9")
+    assert _seen(ahead) == 4 * MIB
+
+
+def test_an_unreadable_span_is_left_to_the_loader(data_file, tmp_path):
+    plan = [[Span(tmp_path / "gone.bin", 0, MIB)], [Span(data_file, 0, MIB)]]
+    with ReadAhead(plan, threads=1, window=64 * MIB, chunk=MIB) as ahead:
+        wait_until(lambda: _seen(ahead) == MIB, "the readable span")
+        assert ahead.failed == 1
