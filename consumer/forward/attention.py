@@ -28,15 +28,18 @@ an H200), which on real traffic, where lengths never repeat, cost more than the 
 The SDPA path that remains (CPU, fp32, a torch without varlen attention) never dispatches to
 cuDNN for the same reason.
 
-One exception: a pack that is a single long document (LONG_DOCUMENT rows or more, which is
-how documents longer than the token budget run) goes through SDPA's cuDNN kernel, its length
-padded up to a multiple of LONG_BUCKET so that cuDNN plans for few lengths (rows padded at the
-end of a causal sequence change no earlier row). There its attention is most of the forward,
-and cuDNN ran it 2.2x faster than the varlen flash kernel on an H200 (589-625 against 246-276
+One exception: each document of LONG_DOCUMENT rows or more in a pack of plain documents
+(long-tailed traffic; a document longer than the token budget is a pack of its own) goes
+through SDPA's cuDNN kernel, its length padded up to a multiple of LONG_BUCKET so that cuDNN
+plans for few lengths (rows padded at the end of a causal sequence change no earlier row); the
+documents between two long ones take one varlen call (`long_document_pieces`). A long
+document's attention grows with the square of its length, so it is most of such a pack's, and
+cuDNN ran it 2.2x faster than the varlen flash kernel on an H200 (589-625 against 246-276
 TFLOP/s at 4k-30k tokens, q/k 192 and v 128 dims; the flash call's v padded to 192,
 docs/benchmarks.md). Latent attention still hands it v padded to 192 (not measured that way
 yet). It is used where a probe on the device agrees with the varlen path
-(`cudnn_long_documents`), and left for the rest of the run if cuDNN raises.
+(`cudnn_long_documents`), never while a CUDA graph records, and left for the rest of the run if
+cuDNN raises. Packs with a shared prompt keep the one varlen call.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class TreeBounds(PackedSeqParams):
     segments: tuple[tuple[int, int, int, int], ...] = ()
     rope: tuple[Tensor, Tensor] | None = field(default=None, compare=False, repr=False)
     varlen: VarlenLayout | None = field(default=None, compare=False, repr=False)
+    pieces: tuple[Piece, ...] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_segments(
@@ -139,6 +143,48 @@ class VarlenLayout:
             max_k=int(a.k_len.max()),
             kv_rows=None if a.kv_rows is None else to(torch.from_numpy(a.kv_rows), device),
         )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Contiguous rows [start, end) of a pack attended by one call: one long document through
+    cuDNN (`layout` None), or the documents between long ones in one varlen call over
+    `layout` (its cumulative lengths counted from `start`)."""
+
+    start: int
+    end: int
+    layout: VarlenLayout | None
+
+
+def long_document_pieces(
+    segments: tuple[tuple[int, int, int, int], ...], device: torch.device
+) -> tuple[Piece, ...]:
+    """A pack of plain documents cut into pieces (see `Piece`) at each document of
+    LONG_DOCUMENT rows or more; () when it holds none, or a segment with a context (a shared
+    prompt's responses read rows outside their own)."""
+    if any(c0 != c1 for _, _, c0, c1 in segments):
+        return ()
+    if all(end - start < LONG_DOCUMENT for start, end, _, _ in segments):
+        return ()
+    pieces: list[Piece] = []
+    short: list[tuple[int, int, int, int]] = []
+
+    def close_short() -> None:
+        if short:
+            first = short[0][0]
+            shifted = tuple((a - first, b - first, a - first, a - first) for a, b, _, _ in short)
+            pieces.append(Piece(first, short[-1][1], VarlenLayout.of(shifted, device)))
+            short.clear()
+
+    for segment in segments:
+        start, end = segment[0], segment[1]
+        if end - start >= LONG_DOCUMENT:
+            close_short()
+            pieces.append(Piece(start, end, None))
+        else:
+            short.append(segment)
+    close_short()
+    return tuple(pieces)
 
 
 @dataclass(frozen=True)
@@ -347,9 +393,9 @@ class SdpaCoreAttention(nn.Module):
         if bounds.varlen is None:  # the first layer of this forward builds it for the rest
             bounds.varlen = VarlenLayout.of(bounds.segments, query.device)
         lay = bounds.varlen
-        if self._one_long_document(query, key, value, bounds):
+        if self._long_documents(query, key, value, bounds):
             try:
-                return _cudnn_causal(query, key, value, scale=self.softmax_scale)
+                return self.attend_pieces(query, key, value, bounds.pieces or ())
             except RuntimeError as exc:  # a length the probe did not meet: flash from now on
                 _CUDNN_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
                 log.warning("attention.cudnn_off", rows=query.shape[0], error=_CUDNN_FAILED[0])
@@ -363,19 +409,51 @@ class SdpaCoreAttention(nn.Module):
         return out.reshape(query.shape[0], -1)
 
     @staticmethod
-    def _one_long_document(query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds):
-        """Whether the pack is one plain document of LONG_DOCUMENT rows or more, with as many
-        key as query heads, that cuDNN runs here (see the module doc)."""
-        if len(bounds.segments) != 1 or query.shape[0] < LONG_DOCUMENT:
+    def _long_documents(query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds) -> bool:
+        """Whether the pack holds documents of LONG_DOCUMENT rows or more that cuDNN runs here
+        (see the module doc), with as many key as query heads; cuts it into `bounds.pieces`
+        at the first layer."""
+        if query.shape[0] < LONG_DOCUMENT or key.shape[1] != query.shape[1]:
             return False
         if _CUDNN_FAILED or torch.cuda.is_current_stream_capturing():  # graphs: varlen only
             return False
-        _, _, context_start, context_end = bounds.segments[0]
-        return (
-            context_start == context_end
-            and key.shape[1] == query.shape[1]
-            and cudnn_long_documents(query.device, query.dtype, query.shape[-1], value.shape[-1])
-        )
+        if not cudnn_long_documents(query.device, query.dtype, query.shape[-1], value.shape[-1]):
+            return False
+        if bounds.pieces is None:  # the first layer of this forward cuts it for the rest
+            bounds.pieces = long_document_pieces(bounds.segments, query.device)
+        return bool(bounds.pieces)
+
+    def attend_pieces(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        pieces: tuple[Piece, ...],
+        *,
+        causal: Callable[..., Tensor] | None = None,
+        attend: Callable[..., Tensor] | None = None,
+    ) -> Tensor:
+        """Attention of a pack cut into `pieces`: each long document through `causal`
+        (`_cudnn_causal`), the documents between through `attend` (the varlen kernel); the
+        CPU test hands in others. [rows, heads x d_v]."""
+        causal = causal or _cudnn_causal
+        attend = attend or varlen_attention()
+        assert attend is not None
+        dv = value.shape[-1]
+        out = []
+        for p in pieces:
+            q, k, v = query[p.start : p.end], key[p.start : p.end], value[p.start : p.end]
+            if p.layout is None:
+                out.append(causal(q, k, v, scale=self.softmax_scale))
+                continue
+            if dv < q.shape[-1]:  # the varlen kernel takes one head size
+                v = nn.functional.pad(v, (0, q.shape[-1] - dv))
+            lay = p.layout
+            got = attend(
+                q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, scale=self.softmax_scale
+            )
+            out.append(got[..., :dv].reshape(p.end - p.start, -1))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _forward_tree(self, query: Tensor, key: Tensor, value: Tensor, segments) -> Tensor:
         # thd: [tokens, heads, dim]. One SDPA call per run of adjacent documents of one length

@@ -90,3 +90,68 @@ def test_one_long_document_path_pads_to_the_bucket_without_changing_a_row() -> N
     assert got.shape == (rows, heads * dv)
     want = dense_attention(q, k, v, [(0, rows, 0, 0)])
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _varlen_by_documents(q, k, v, cu_q, cu_k, max_q, max_k, *, scale):
+    """A stand-in for the varlen kernel on the CPU: causal SDPA (math kernel) per document of
+    the cumulative lengths, which must match for q and k. [rows, heads, d_v]."""
+    assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    out = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        qd, kd, vd = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=True, scale=scale
+        )
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_long_documents_are_cut_out_of_a_pack(monkeypatch) -> None:
+    """Each long document is a piece of its own; the documents between two long ones share
+    one varlen piece, its cumulative lengths counted from the piece's first row; a pack with
+    no long document, or with a shared prompt, is not cut."""
+    from consumer.forward import attention
+
+    monkeypatch.setattr(attention, "LONG_DOCUMENT", 50)
+    cpu = torch.device("cpu")
+    segments = packed_segments([(10, None), (7, None), (60, None), (50, None), (3, None)])
+    pieces = attention.long_document_pieces(segments, cpu)
+    assert [(p.start, p.end, p.layout is None) for p in pieces] == [
+        (0, 17, False), (17, 77, True), (77, 127, True), (127, 130, False)
+    ]  # fmt: skip
+    assert pieces[0].layout.cu_q.tolist() == [0, 10, 17] and pieces[0].layout.max_q == 10
+    assert pieces[3].layout.cu_q.tolist() == [0, 3] and pieces[3].layout.kv_rows is None
+    assert attention.long_document_pieces(packed_segments([(49, None)] * 3), cpu) == ()
+    shared_prompt = packed_segments([(60, None), (5, 0), (70, 0)])
+    assert attention.long_document_pieces(shared_prompt, cpu) == ()
+
+
+def test_a_pack_cut_at_its_long_documents_matches_a_dense_reference(monkeypatch) -> None:
+    """The pieces' outputs, joined, are the pack's attention: the long documents through the
+    padded causal path (SDPA's math kernel standing in for cuDNN), the rest through a varlen
+    stand-in, against dense float64 attention over the whole pack; v narrower than q and k,
+    as latent attention has it."""
+    from functools import partial
+
+    from torch.nn.attention import SDPBackend
+
+    from consumer.forward import attention
+
+    monkeypatch.setattr(attention, "LONG_DOCUMENT", 40)
+    monkeypatch.setattr(attention, "LONG_BUCKET", 16)
+    segments = packed_segments([(9, None), (45, None), (1, None), (12, None), (41, None)])
+    total, heads, dq, dv = segments[-1][1], 2, 24, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(total, heads, dq, generator=gen) for _ in "qk")
+    v = torch.randn(total, heads, dv, generator=gen)
+    pieces = attention.long_document_pieces(segments, torch.device("cpu"))
+    assert [p.layout is None for p in pieces] == [False, True, False, True]
+    attn = SdpaCoreAttention(config=None, softmax_scale=dq**-0.5)
+    got = attn.attend_pieces(
+        q, k, v, pieces,
+        causal=partial(attention._cudnn_causal, backend=SDPBackend.MATH),
+        attend=_varlen_by_documents,
+    )  # fmt: skip
+    assert got.shape == (total, heads * dv)
+    want = dense_attention(q, k, v, segments)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
