@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -40,17 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     return p.parse_args(argv)
-
-
-def evict(files: list[Path]) -> None:
-    """Drop `files`' pages from the page cache (written back first, so they can be)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def write_checkpoint(args: argparse.Namespace) -> Path:
@@ -79,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     from consumer import cpu_compat
     from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
     from consumer.checkpoints.hf import load_hf_weights
+    from consumer.checkpoints.parallel_read import evict
     from consumer.forward.model import build_model
     from consumer.parallel import init_parallel
     from shared.log import configure_logging

@@ -277,3 +277,16 @@ def default_window() -> int:
             if line.startswith("MemAvailable:"):
                 return max(CHUNK, min(WINDOW, int(line.split()[1]) * 1024 // 4))
     return WINDOW
+
+
+def evict(paths: Iterable[Path]) -> None:
+    """Drop `paths`' pages from the page cache (written back first, so that they can be), as
+    a fresh machine has them; no root needed. For measuring cold loads (bench/checkpoint_read.py
+    and the tests)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

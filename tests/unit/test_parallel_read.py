@@ -17,7 +17,7 @@ import torch
 
 from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
 from consumer.checkpoints.hf import hf_shard_readers
-from consumer.checkpoints.parallel_read import ReadAhead, Span, read_plan
+from consumer.checkpoints.parallel_read import ReadAhead, Span, evict, read_plan
 from consumer.parallel import ParallelLayout
 from tests.fp8_reference import write_fp8_pair
 from tests.timing import wait_until
@@ -122,15 +122,6 @@ def _groups(path: Path, n: int = 10) -> list[list[Span]]:
     return [[Span(path, i * MIB, (i + 1) * MIB)] for i in range(n)]
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _seen(ahead: ReadAhead) -> int:
     return ahead.bytes_read
 
@@ -155,7 +146,7 @@ def _cached_pages(path: Path, start: int, end: int) -> int:
 def test_every_planned_page_is_brought_in(data_file, how):
     plan = _groups(data_file, 4) + [[Span(data_file, 6 * MIB + 3, 6 * MIB + 3 + MIB // 3)]]
     total = 4 * MIB + MIB // 3
-    _evict(data_file)
+    evict([data_file])
     # (a probe that misses reads its page in: only a page outside the plan is probed here)
     assert _cached_pages(data_file, 9 * MIB, 9 * MIB + 1) == 0, "the eviction did not evict"
     with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
