@@ -76,7 +76,7 @@ def test_a_load_failing_part_way_puts_the_old_weights_back(layout, ckpts, monkey
     reads = {"n": 0}
 
     def failing(self, name, rows=None, cols=None):
-        if self.path == b:
+        if self.path == b and type(self) is HfCheckpoint:  # not the read-ahead's plan (meta)
             reads["n"] += 1
             if reads["n"] == 6:
                 raise OSError("disk gone")
