@@ -1,0 +1,202 @@
+"""Packed causal attention: the varlen flash kernel against cuDNN's ragged kernel (GPU).
+
+The consumer attends a pack of documents with one varlen flash call (`varlen_attn`; its v
+padded to the q/k head size where they differ, as latent attention's 192/128 are). cuDNN ran
+single long documents 2.2x faster (docs/benchmarks.md), but it builds a plan for every new
+shape. Its ragged form (`aten._cudnn_attention_forward` with cumulative lengths, what nested
+tensors call) keys the plan on the buffer's rows, the document count and the longest document;
+this bench pads those three to buckets (rows to a multiple of --row-bucket, documents to a
+power of two with empty ones, the longest to a power of two) so that traffic whose lengths
+never repeat meets few plans, and measures, on packs drawn like the e2e bench's:
+
+- each path's warm time and TFLOP/s (causal: half of 2 x rows x keys x (d_qk + d_v) x heads);
+- cuDNN's first call of each new plan key (the plan's build), and how many keys the packs met;
+- the largest difference from the flash path's output.
+
+    python bench/attention_kernels.py --shape mla --workload uniform
+    python bench/attention_kernels.py --shape gqa --workload longtail --packs 24
+
+Prints one line per pack and a summary; --out writes both as JSON with the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# heads (q, kv) and head sizes (q/k, v) per GPU at TP = 1
+SHAPES = {
+    "mla": (128, 128, 192, 128),  # DeepSeek-V3's latent attention, decompressed for prefill
+    "gqa": (12, 2, 128, 128),  # Qwen2.5-1.5B
+    "mha": (32, 32, 128, 128),
+}
+
+
+def draw_pack(rng: random.Random, workload: str, tokens: int) -> list[int]:
+    """Document lengths filling about `tokens` rows: uniform 512-4096, or long-tailed (mostly
+    short, now and then one of 16k-32k, alone where it exceeds the budget)."""
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        if workload == "uniform":
+            n = rng.randint(512, 4096)
+        elif rng.random() < 0.08:
+            n = rng.randint(16384, 32768)
+        else:
+            n = int(min(8192, rng.lognormvariate(6.5, 0.9))) + 16
+        if lengths and sum(lengths) + n > tokens:
+            break
+        lengths.append(n)
+    return lengths
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pack_calls(lengths: list[int], shape: tuple[int, int, int, int], row_bucket: int):
+    """Random q, k, v of a pack and its two calls: (rows, longest, flash(), cudnn(), the
+    cuDNN call's plan key)."""
+    import torch
+    import torch.nn.functional as F
+
+    from consumer.forward.attention import varlen_attention
+
+    hq, hk, dqk, dv = shape
+    dev = torch.device("cuda")
+    flash = varlen_attention()
+    assert flash is not None, "this torch has no varlen flash attention"
+    scale = dqk**-0.5
+    t = sum(lengths)
+    cu_list = [0]
+    for n in lengths:
+        cu_list.append(cu_list[-1] + n)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=dev)
+    mx = max(lengths)
+    q = torch.randn(t, hq, dqk, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(t, hk, dqk, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(t, hk, dv, device=dev, dtype=torch.bfloat16)
+    v_flash = F.pad(v, (0, dqk - dv)) if dv < dqk else v
+
+    def run_flash():
+        return flash(q, k, v_flash, cu, cu, mx, mx, scale=scale)[..., :dv]
+
+    # cuDNN's ragged call on bucketed shapes: padded rows, empty documents, a rounded max
+    rows = -(-t // row_bucket) * row_bucket
+    docs = pow2(len(lengths))
+    cu_pad = torch.tensor(cu_list + [t] * (docs - len(lengths)), dtype=torch.int32, device=dev)
+    max_pad = pow2(mx)
+    qp, kp, vp = (F.pad(x, (0, 0, 0, 0, 0, rows - t)) for x in (q, k, v))
+    if hk != hq:  # cuDNN's ragged path takes as many key as query heads here
+        kp = kp.repeat_interleave(hq // hk, dim=1)
+        vp = vp.repeat_interleave(hq // hk, dim=1)
+
+    def run_cudnn():
+        out = torch.ops.aten._cudnn_attention_forward(
+            qp, kp, vp, None, cu_pad, cu_pad, max_pad, max_pad, False, 0.0, True, False,
+            scale=scale,
+        )[0]  # fmt: skip
+        return out[:t]
+
+    return t, mx, run_flash, run_cudnn, (rows, docs, max_pad)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="mla")
+    p.add_argument("--workload", choices=["uniform", "longtail"], default="uniform")
+    p.add_argument("--tokens", type=int, default=16384, help="rows per pack")
+    p.add_argument("--packs", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per pack and path")
+    p.add_argument("--row-bucket", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+
+    import torch
+
+    hq, _, dqk, dv = SHAPES[args.shape]
+    rng = random.Random(args.seed)
+
+    def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
+        out = fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats, out
+
+    keys: set[tuple[int, int, int]] = set()
+    rows_out: list[dict] = []
+    for i in range(args.packs):
+        lengths = draw_pack(rng, args.workload, args.tokens)
+        t, mx, run_flash, run_cudnn, key = pack_calls(lengths, SHAPES[args.shape], args.row_bucket)
+        first = None
+        if key not in keys:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                run_cudnn()
+            except RuntimeError as exc:
+                print(f"pack {i}: cuDNN refused {key}: {str(exc).splitlines()[0]}")
+                rows_out.append({"lengths": lengths, "cudnn_error": str(exc).splitlines()[0]})
+                continue
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            keys.add(key)
+        t_flash, o_flash = timed(run_flash, args.repeats)
+        t_cudnn, o_cudnn = timed(run_cudnn, args.repeats)
+        flops = sum(2 * n * n * (dqk + dv) * hq for n in lengths) / 2
+        diff = (o_cudnn.float() - o_flash.float()).abs().max().item()
+        row = {
+            "docs": len(lengths),
+            "rows": t,
+            "longest": mx,
+            "key": list(key),
+            "flash_ms": t_flash * 1e3,
+            "cudnn_ms": t_cudnn * 1e3,
+            "flash_tflops": flops / t_flash / 1e12,
+            "cudnn_tflops": flops / t_cudnn / 1e12,
+            "cudnn_first_ms": None if first is None else first * 1e3,
+            "max_abs_diff": diff,
+        }
+        rows_out.append(row)
+        print(
+            f"pack {i}: {len(lengths)} docs, {t} rows, longest {mx}: flash {t_flash * 1e3:.2f} ms"
+            f" ({row['flash_tflops']:.0f} TFLOP/s), cuDNN {t_cudnn * 1e3:.2f} ms"
+            f" ({row['cudnn_tflops']:.0f}), x{t_flash / t_cudnn:.2f}; new plan"
+            f" {'-' if first is None else f'{first * 1e3:.0f} ms'}; max diff {diff:.2e}"
+        )
+    timed_rows = [r for r in rows_out if "flash_ms" in r]
+    summary = {
+        "shape": args.shape,
+        "workload": args.workload,
+        "packs": len(rows_out),
+        "plan_keys": len(keys),
+        "flash_ms_total": sum(r["flash_ms"] for r in timed_rows),
+        "cudnn_ms_total": sum(r["cudnn_ms"] for r in timed_rows),
+        "plan_build_ms_total": sum(r["cudnn_first_ms"] or 0 for r in timed_rows),
+        "median_plan_build_ms": statistics.median(
+            [r["cudnn_first_ms"] for r in timed_rows if r["cudnn_first_ms"]] or [0]
+        ),
+        "max_abs_diff": max((r["max_abs_diff"] for r in timed_rows), default=None),
+        "versions": {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version()},
+        "device": torch.cuda.get_device_name(),
+    }
+    if timed_rows:
+        summary["speedup_warm"] = summary["flash_ms_total"] / summary["cudnn_ms_total"]
+    print(json.dumps({k: v for k, v in summary.items() if k != "versions"}))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "packs": rows_out}, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
