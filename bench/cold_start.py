@@ -28,6 +28,11 @@ writer as scripts/make_checkpoint.py, in bf16; kept in `--work` so a rerun reuse
     python bench/cold_start.py                       # Qwen2.5-1.5B shape on the GPU
     python bench/cold_start.py --parts none --out /tmp/cold.json   # time to ready only
     python bench/cold_start.py --model tiny --device cpu --docs 8 --doc-tokens 64  # plumbing
+    python bench/cold_start.py --model deepseek-v3-sparse --fast-write --parts none   # MoE cut
+
+Besides the Qwen2 shapes (MODELS), `--model` takes the frontier MoE cuts of
+bench/gpu_common.py's FRONTIER (DeepSeek-V3 and GLM-4.5-Air; `tiny-deepseek` on the CPU): the
+issue's "any model" readiness target.
 
 `--out` writes the whole report (versions, GPU, the model's shape, settings, every start's
 phases, the passes and the updates) as one JSON file.
@@ -47,6 +52,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
+
+from bench.gpu_common import FRONTIER, frontier  # noqa: E402 - no torch at import
 
 # Qwen2.5-1.5B's and 7B's shapes (public config.json), and a tiny one for a smoke test.
 MODELS = {
@@ -96,7 +103,7 @@ OUTPUTS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="1.5b")
+    p.add_argument("--model", choices=sorted(MODELS) + sorted(FRONTIER), default="1.5b")
     p.add_argument("--work", type=Path, default=Path("/tmp/teacherq-cold-start"))
     p.add_argument("--device", default="auto")
     p.add_argument("--docs", type=int, default=128, help="documents per pass")
@@ -134,6 +141,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_config(model: str, **changes: int):
+    """The transformers config of `model`: a Qwen2 shape of MODELS (`changes` are
+    `hf_config`'s sizes), or a frontier MoE cut of FRONTIER (`changes`: `frontier`'s layers)."""
+    from consumer.checkpoints.synthetic import hf_config
+
+    if model in FRONTIER:
+        from transformers import AutoConfig
+
+        cfg = frontier(**{**FRONTIER[model], **changes})
+        fields = {k: v for k, v in cfg.items() if k != "model_type"}
+        return AutoConfig.for_model(cfg["model_type"], **fields)
+    return hf_config("qwen2", **{**MODELS[model], **changes})
+
+
 def checkpoint(
     work: Path, model: str, name: str, seed: int, fast_on: str | None = None, **changes: int
 ) -> Path:
@@ -141,7 +162,8 @@ def checkpoint(
 
     With `fast_on` (a torch device), the tensors are drawn there and saved straight to
     safetensors shards (N(0, 0.02), norms 1): seconds instead of minutes for a 7B model,
-    whose fp32 Hugging Face init on the CPU would take longer than the measurement."""
+    whose fp32 Hugging Face init on the CPU would take longer than the measurement. Frontier
+    cuts are always drawn (on the CPU without `fast_on`)."""
     import torch
 
     from consumer.checkpoints.synthetic import write_random_hf_checkpoint
@@ -149,24 +171,23 @@ def checkpoint(
     out = work / f"{model}-{name}"
     if not (out / "config.json").is_file():
         t0 = time.monotonic()
-        sizes = {**MODELS[model], **changes}
-        if fast_on is None:
+        if fast_on is None and model not in FRONTIER:
+            sizes = {**MODELS[model], **changes}
             write_random_hf_checkpoint(out, "qwen2", seed=seed, dtype=torch.bfloat16, **sizes)
         else:
-            write_drawn_checkpoint(out, sizes, seed, fast_on)
+            write_drawn_checkpoint(out, model_config(model, **changes), seed, fast_on or "cpu")
         print(f"# wrote {out} in {time.monotonic() - t0:.0f} s", flush=True)
     return out
 
 
-def write_drawn_checkpoint(out: Path, sizes: dict, seed: int, device: str) -> None:
-    """A Qwen2 checkpoint of `sizes` whose tensors are drawn on `device` (see `checkpoint`)."""
+def write_drawn_checkpoint(out: Path, config, seed: int, device: str) -> None:
+    """A checkpoint of transformers `config` whose tensors are drawn on `device` (see
+    `checkpoint`): every tensor the model's state dict holds, in its in-memory layout (MoE
+    experts fused, as transformers 5 holds them; the loader reads that layout too)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from consumer.checkpoints.synthetic import hf_config
-
-    config = hf_config("qwen2", **sizes)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     shapes = {k: v.shape for k, v in meta.state_dict().items()}
@@ -396,17 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         targets.append(("same_shape", b))
     if "other_shape" in parts:
         # another shape (half the layers: quicker to write than a third full model)
-        layers = max(1, MODELS[args.model]["num_layers"] // 2)
-        targets.append(
-            ("other_shape", checkpoint(work, args.model, "half", 3, fast, num_layers=layers))
-        )
+        config = model_config(args.model)
+        layers = max(1, config.num_hidden_layers // 2)
+        key = "layers" if args.model in FRONTIER else "num_layers"
+        half = checkpoint(work, args.model, "half", 3, fast, **{key: layers})
+        targets.append(("other_shape", half))
     run = work / f"run-{int(time.time())}"
     home = run / "valkey"
     url, _ = ensure_embedded(home)
-    vocab = MODELS[args.model]["vocab_size"]
+    shape = MODELS.get(args.model) or frontier(**FRONTIER[args.model])
+    vocab = shape["vocab_size"]
     report: dict = {
         "model": args.model,
-        "shape": MODELS[args.model],
+        "shape": shape,
         "weight_bytes": weight_bytes(a),
         "doc_tokens": args.doc_tokens,
         "docs": args.docs,

@@ -91,6 +91,38 @@ def shape(
     return cfg
 
 
+def frontier(
+    name: str, *, tiny: bool = False, layers: int | None = None, dense: int | None = None
+) -> dict:
+    """A DeepSeek-V3 or GLM-4.5-Air shape (`shape`) as its config.json's fields, cut to
+    `layers` (default DEFAULT_LAYERS: 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a few
+    MB of the same build)."""
+    cfg = shape(name, tiny=tiny, layers=layers, dense=dense)
+    cfg["architectures"] = [
+        {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
+            cfg["model_type"]
+        ]
+    ]
+    cfg["tie_word_embeddings"] = False
+    if tiny:  # the workloads' documents reach 4096 tokens
+        cfg["max_position_embeddings"] = 8192
+    return cfg
+
+
+# The frontier cuts the end-to-end and cold-start benches serve (`frontier`'s arguments)
+FRONTIER = {
+    "deepseek-v3": {"name": "deepseek-v3"},
+    "glm-4.5-air": {"name": "glm-4.5-air"},
+    # 3 dense + 4 sparse layers (~95 GB bf16): the sparse layers' share closer to the model's
+    "deepseek-v3-7l": {"name": "deepseek-v3", "layers": 7},
+    # 1 dense + 3 sparse layers (~72 GB bf16): more sparse than dense, as the real model's
+    # 3 + 58 is, so the expert layer sets the pace
+    "deepseek-v3-sparse": {"name": "deepseek-v3", "layers": 4, "dense": 1},
+    "glm-4.5-air-10l": {"name": "glm-4.5-air", "layers": 10},  # 1 dense + 9 sparse
+    "tiny-deepseek": {"name": "deepseek-v3", "tiny": True},
+}
+
+
 def active_flops(spec, lengths: list[int]) -> float:
     """FLOPs of one forward with the output layer, counting only the experts a token uses
     (routed and shared) and, per document, causal attention's two s^2 products."""

@@ -82,13 +82,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.gpu_common import (  # noqa: E402 - the repository is on the path from here
+    FRONTIER,
     PEAK_FLOPS,
     SAMPLES,
     TOP_K,
     active_flops,
+    frontier,
     padded_batches,
     padded_tensors,
-    shape,
     versions,
 )
 
@@ -203,37 +204,6 @@ MODELS = {
         "vocab_size": 1000,
         "tie_word_embeddings": False,
     },
-}
-
-
-def _frontier(
-    name: str, *, tiny: bool = False, layers: int | None = None, dense: int | None = None
-) -> dict:
-    """A DeepSeek-V3 or GLM-4.5-Air shape of bench/gpu_moe.py (bench/gpu_common.py), cut to
-    `layers` (default: its depth there, 5 layers of DeepSeek-V3, 8 of GLM-4.5-Air; `tiny`: a
-    few MB of the same build)."""
-    cfg = shape(name, tiny=tiny, layers=layers, dense=dense)
-    cfg["architectures"] = [
-        {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
-            cfg["model_type"]
-        ]
-    ]
-    cfg["tie_word_embeddings"] = False
-    if tiny:  # the workloads' documents reach 4096 tokens
-        cfg["max_position_embeddings"] = 8192
-    return cfg
-
-
-FRONTIER = {  # added to MODELS by main(): building them needs transformers
-    "deepseek-v3": {"name": "deepseek-v3"},
-    "glm-4.5-air": {"name": "glm-4.5-air"},
-    # 3 dense + 4 sparse layers (~95 GB bf16): the sparse layers' share closer to the model's
-    "deepseek-v3-7l": {"name": "deepseek-v3", "layers": 7},
-    # 1 dense + 3 sparse layers (~72 GB bf16): more sparse than dense, as the real model's
-    # 3 + 58 is, so the expert layer sets the pace
-    "deepseek-v3-sparse": {"name": "deepseek-v3", "layers": 4, "dense": 1},
-    "glm-4.5-air-10l": {"name": "glm-4.5-air", "layers": 10},  # 1 dense + 9 sparse
-    "tiny-deepseek": {"name": "deepseek-v3", "tiny": True},
 }
 
 
@@ -1270,7 +1240,7 @@ def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
 
 
 def main() -> None:
-    MODELS.update({m: _frontier(**how) for m, how in FRONTIER.items()})
+    MODELS.update({m: frontier(**how) for m, how in FRONTIER.items()})
     MODELS["30b-a3b-16l"] = {**MODELS["30b-a3b"], "num_hidden_layers": 16}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="1.5b,7b", help=f"of {','.join(MODELS)}")
