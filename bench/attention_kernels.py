@@ -13,6 +13,9 @@ never repeat meets few plans, and measures, on packs drawn like the e2e bench's:
 - cuDNN's first call of each new plan key (the plan's build), and how many keys the packs met;
 - the largest difference from the flash path's output.
 
+The kernels alone are timed: the padding each path needs (v's head size for flash; rows for
+cuDNN) is done before. A shape cuDNN refuses is reported as such, and the bench goes on.
+
     python bench/attention_kernels.py --shape mla --workload uniform
     python bench/attention_kernels.py --shape gqa --workload longtail --packs 24
 
@@ -93,9 +96,6 @@ def pack_calls(lengths: list[int], shape: tuple[int, int, int, int], row_bucket:
     cu_pad = torch.tensor(cu_list + [t] * (docs - len(lengths)), dtype=torch.int32, device=dev)
     max_pad = pow2(mx)
     qp, kp, vp = (F.pad(x, (0, 0, 0, 0, 0, rows - t)) for x in (q, k, v))
-    if hk != hq:  # cuDNN's ragged path takes as many key as query heads here
-        kp = kp.repeat_interleave(hq // hk, dim=1)
-        vp = vp.repeat_interleave(hq // hk, dim=1)
 
     def run_cudnn():
         out = torch.ops.aten._cudnn_attention_forward(
