@@ -7,7 +7,7 @@ shape. Its ragged form (`aten._cudnn_attention_forward` with cumulative lengths,
 tensors call) keys the plan on the buffer's rows, the document count and the longest document;
 this bench pads those three to buckets (rows to a multiple of --row-bucket, documents to a
 power of two with empty ones, the longest to a power of two) so that traffic whose lengths
-never repeat meets few plans, and measures, on packs drawn like the e2e bench's:
+never repeat meets few plans, and measures, on packs of bench/gpu_e2e.py's workloads:
 
 - each path's warm time and TFLOP/s (causal: half of 2 x rows x keys x (d_qk + d_v) x heads);
 - cuDNN's first call of each new plan key (the plan's build), and how many keys the packs met;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -42,21 +41,23 @@ SHAPES = {
 }
 
 
-def draw_pack(rng: random.Random, workload: str, tokens: int) -> list[int]:
-    """Document lengths filling about `tokens` rows: uniform 512-4096, or long-tailed (mostly
-    short, now and then one of 16k-32k, alone where it exceeds the budget)."""
-    lengths: list[int] = []
-    while sum(lengths) < tokens:
-        if workload == "uniform":
-            n = rng.randint(512, 4096)
-        elif rng.random() < 0.08:
-            n = rng.randint(16384, 32768)
-        else:
-            n = int(min(8192, rng.lognormvariate(6.5, 0.9))) + 16
-        if lengths and sum(lengths) + n > tokens:
-            break
-        lengths.append(n)
-    return lengths
+def draw_packs(workload_name: str, tokens: int, count: int, seed: int) -> list[list[int]]:
+    """`count` packs' document lengths: bench/gpu_e2e.py's `workload` lengths cut, in their
+    order, into packs of at most `tokens` rows (a longer document alone)."""
+    from bench.gpu_e2e import docs_of, workload
+
+    packs: list[list[int]] = []
+    pack: list[int] = []
+    draw = 0
+    while len(packs) < count:
+        calls = workload(workload_name, tokens=tokens * count, vocab=2, seed=seed + draw)
+        draw += 1
+        for n in (len(d) for d in docs_of(calls)):
+            if pack and sum(pack) + n > tokens:
+                packs.append(pack)
+                pack = []
+            pack.append(n)
+    return packs[:count]
 
 
 def pow2(n: int) -> int:
@@ -110,7 +111,7 @@ def pack_calls(lengths: list[int], shape: tuple[int, int, int, int], row_bucket:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="mla")
-    p.add_argument("--workload", choices=["uniform", "longtail"], default="uniform")
+    p.add_argument("--workload", choices=["fixed", "uniform", "longtail"], default="uniform")
     p.add_argument("--tokens", type=int, default=16384, help="rows per pack")
     p.add_argument("--packs", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per pack and path")
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     hq, _, dqk, dv = SHAPES[args.shape]
-    rng = random.Random(args.seed)
 
     def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
         out = fn()
@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     keys: set[tuple[int, int, int]] = set()
     rows_out: list[dict] = []
-    for i in range(args.packs):
-        lengths = draw_pack(rng, args.workload, args.tokens)
+    for i, lengths in enumerate(draw_packs(args.workload, args.tokens, args.packs, args.seed)):
         t, mx, run_flash, run_cudnn, key = pack_calls(lengths, SHAPES[args.shape], args.row_bucket)
         first = None
         if key not in keys:
