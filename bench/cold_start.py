@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from bench.gpu_common import FRONTIER, frontier  # noqa: E402 - no torch at import
+from bench.gpu_common import FRONTIER, frontier, transformers_config  # noqa: E402 - no torch at import
 
 # Qwen2.5-1.5B's and 7B's shapes (public config.json), and a tiny one for a smoke test.
 MODELS = {
@@ -147,11 +147,7 @@ def model_config(model: str, **changes: int):
     from consumer.checkpoints.synthetic import hf_config
 
     if model in FRONTIER:
-        from transformers import AutoConfig
-
-        cfg = frontier(**{**FRONTIER[model], **changes})
-        fields = {k: v for k, v in cfg.items() if k != "model_type"}
-        return AutoConfig.for_model(cfg["model_type"], **fields)
+        return transformers_config(frontier(**{**FRONTIER[model], **changes}))
     return hf_config("qwen2", **{**MODELS[model], **changes})
 
 

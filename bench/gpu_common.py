@@ -91,6 +91,14 @@ def shape(
     return cfg
 
 
+def transformers_config(cfg: dict, **overrides):
+    """transformers' config object of a config.json's fields (`overrides` replace fields)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in {**cfg, **overrides}.items() if k != "model_type"}
+    return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
 def frontier(
     name: str, *, tiny: bool = False, layers: int | None = None, dense: int | None = None
 ) -> dict:

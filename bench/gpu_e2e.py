@@ -90,6 +90,7 @@ from bench.gpu_common import (  # noqa: E402 - the repository is on the path fro
     frontier,
     padded_batches,
     padded_tensors,
+    transformers_config,
     versions,
 )
 
@@ -213,10 +214,7 @@ def model_spec(cfg: dict):
     from consumer.checkpoints import spec_from_hf_config
 
     if "rope_parameters" in cfg:
-        from transformers import AutoConfig
-
-        fields = {k: v for k, v in cfg.items() if k != "model_type"}
-        return spec_from_hf_config(AutoConfig.for_model(cfg["model_type"], **fields).to_dict())
+        return spec_from_hf_config(transformers_config(cfg).to_dict())
     return spec_from_hf_config(cfg)
 
 
@@ -330,14 +328,12 @@ def _timed_passes(
 def hf_child(args: argparse.Namespace) -> None:
     """Build the HF model on the device and time (a) and (b) on every workload; print JSON."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     cfg = MODELS[args.model]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    config = AutoConfig.for_model(
-        cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("model_type",)}
-    )
+    config = transformers_config(cfg)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)

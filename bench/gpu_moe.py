@@ -71,6 +71,7 @@ from bench.gpu_common import (
     padded_batches,
     padded_tensors,
     shape,
+    transformers_config,
     versions,
 )
 
@@ -134,11 +135,8 @@ def cut(args: argparse.Namespace) -> dict:
 
 
 def hf_config(cfg: dict):
-    """The transformers config object of a shape."""
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    return AutoConfig.for_model(cfg["model_type"], tie_word_embeddings=False, **fields)
+    """The transformers config object of a shape (output layer untied)."""
+    return transformers_config(cfg, tie_word_embeddings=False)
 
 
 def documents(cfg: dict, args: argparse.Namespace) -> list[np.ndarray]:
