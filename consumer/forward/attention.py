@@ -36,10 +36,12 @@ documents between two long ones take one varlen call (`long_document_pieces`). A
 document's attention grows with the square of its length, so it is most of such a pack's, and
 cuDNN ran it 2.2x faster than the varlen flash kernel on an H200 (589-625 against 246-276
 TFLOP/s at 4k-30k tokens, q/k 192 and v 128 dims; the flash call's v padded to 192,
-docs/benchmarks.md). Latent attention still hands it v padded to 192 (not measured that way
-yet). It is used where a probe on the device agrees with the varlen path
-(`cudnn_long_documents`), never while a CUDA graph records, and left for the rest of the run if
-cuDNN raises. Packs with a shared prompt keep the one varlen call.
+docs/benchmarks.md). Latent attention hands v padded to 192 for the flash kernel and names its
+own width (`SdpaCoreAttention.value_dim`), at which cuDNN takes it. It is used where a probe
+on the device agrees with the varlen path (`cudnn_long_documents`), never while a CUDA graph
+records, and left for the rest of the run if cuDNN raises. Packs with a shared prompt keep the
+one varlen call. cuDNN's ragged kernel (one call over a pack's cumulative lengths) is not used
+for the other packs: it ran at 0.07-0.18x of the flash call on an H100 (bench/attention_kernels.py).
 """
 
 from __future__ import annotations
@@ -349,10 +351,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class SdpaCoreAttention(nn.Module):
     """Causal attention through SDPA; drop-in for megatron's core_attention submodule."""
 
-    def __init__(self, *, config, softmax_scale=None, **_unused) -> None:  # megatron builder kwargs
+    def __init__(
+        self, *, config, softmax_scale=None, value_dim: int | None = None, **_unused
+    ) -> None:  # megatron builder kwargs
         super().__init__()
         self.config = config
         self.softmax_scale = softmax_scale
+        # v's own head size where the caller hands it zero-padded to q's (latent attention,
+        # for the varlen kernel): the cuDNN path attends at this width, and the output of a
+        # pack cut into pieces is [rows, heads x value_dim]
+        self.value_dim = value_dim
 
     def forward(
         self,
@@ -393,7 +401,7 @@ class SdpaCoreAttention(nn.Module):
         if bounds.varlen is None:  # the first layer of this forward builds it for the rest
             bounds.varlen = VarlenLayout.of(bounds.segments, query.device)
         lay = bounds.varlen
-        if self._long_documents(query, key, value, bounds):
+        if self._long_documents(query, key, self.value_dim or value.shape[-1], bounds):
             try:
                 return self.attend_pieces(query, key, value, bounds.pieces or ())
             except RuntimeError as exc:  # a length the probe did not meet: flash from now on
@@ -409,15 +417,15 @@ class SdpaCoreAttention(nn.Module):
         return out.reshape(query.shape[0], -1)
 
     @staticmethod
-    def _long_documents(query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds) -> bool:
+    def _long_documents(query: Tensor, key: Tensor, dv: int, bounds: TreeBounds) -> bool:
         """Whether the pack holds documents of LONG_DOCUMENT rows or more that cuDNN runs here
         (see the module doc), with as many key as query heads; cuts it into `bounds.pieces`
-        at the first layer."""
+        at the first layer. `dv`: the width cuDNN takes v at."""
         if query.shape[0] < LONG_DOCUMENT or key.shape[1] != query.shape[1]:
             return False
         if _CUDNN_FAILED or torch.cuda.is_current_stream_capturing():  # graphs: varlen only
             return False
-        if not cudnn_long_documents(query.device, query.dtype, query.shape[-1], value.shape[-1]):
+        if not cudnn_long_documents(query.device, query.dtype, query.shape[-1], dv):
             return False
         if bounds.pieces is None:  # the first layer of this forward cuts it for the rest
             bounds.pieces = long_document_pieces(bounds.segments, query.device)
@@ -435,19 +443,19 @@ class SdpaCoreAttention(nn.Module):
     ) -> Tensor:
         """Attention of a pack cut into `pieces`: each long document through `causal`
         (`_cudnn_causal`), the documents between through `attend` (the varlen kernel); the
-        CPU test hands in others. [rows, heads x d_v]."""
+        CPU test hands in others. [rows, heads x d_v], d_v `value_dim` where it is set."""
         causal = causal or _cudnn_causal
         attend = attend or varlen_attention()
         assert attend is not None
-        dv = value.shape[-1]
+        dv = self.value_dim or value.shape[-1]
         out = []
         for p in pieces:
             q, k, v = query[p.start : p.end], key[p.start : p.end], value[p.start : p.end]
-            if p.layout is None:
-                out.append(causal(q, k, v, scale=self.softmax_scale))
+            if p.layout is None:  # v at its own width: no product with the padding's zeros
+                out.append(causal(q, k, v[..., :dv], scale=self.softmax_scale))
                 continue
-            if dv < q.shape[-1]:  # the varlen kernel takes one head size
-                v = nn.functional.pad(v, (0, q.shape[-1] - dv))
+            if v.shape[-1] < q.shape[-1]:  # the varlen kernel takes one head size
+                v = nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
             lay = p.layout
             got = attend(
                 q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, scale=self.softmax_scale

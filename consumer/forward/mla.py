@@ -152,7 +152,9 @@ class TeacherMLA(nn.Module):
         self.kv_layernorm = nn.RMSNorm(spec.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
         self.linear_kv_up_proj = linear(spec.kv_lora_rank, self.heads * (self.nope + self.v))
         self.linear_proj = linear(self.heads * self.v, h)
-        self.core_attention = SdpaCoreAttention(config=config, softmax_scale=softmax_scale(spec))
+        self.core_attention = SdpaCoreAttention(
+            config=config, softmax_scale=softmax_scale(spec), value_dim=self.v
+        )
         std = float(getattr(config, "init_method_std", 0.02))
         with torch.no_grad():
             for name, p in self.named_parameters():

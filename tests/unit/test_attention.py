@@ -126,13 +126,13 @@ def test_long_documents_are_cut_out_of_a_pack(monkeypatch) -> None:
     assert attention.long_document_pieces(shared_prompt, cpu) == ()
 
 
-def test_a_pack_cut_at_its_long_documents_matches_a_dense_reference(monkeypatch) -> None:
+@pytest.mark.parametrize("v_padded", [False, True])
+def test_a_pack_cut_at_its_long_documents_matches_a_dense_reference(monkeypatch, v_padded) -> None:
     """The pieces' outputs, joined, are the pack's attention: the long documents through the
     padded causal path (SDPA's math kernel standing in for cuDNN), the rest through a varlen
     stand-in, against dense float64 attention over the whole pack; v narrower than q and k,
-    as latent attention has it."""
-    from functools import partial
-
+    as latent attention has it. Handed v zero-padded to q's width with its own width named
+    (`value_dim`, as latent attention does), the long documents attend at that width."""
     from torch.nn.attention import SDPBackend
 
     from consumer.forward import attention
@@ -146,12 +146,18 @@ def test_a_pack_cut_at_its_long_documents_matches_a_dense_reference(monkeypatch)
     v = torch.randn(total, heads, dv, generator=gen)
     pieces = attention.long_document_pieces(segments, torch.device("cpu"))
     assert [p.layout is None for p in pieces] == [False, True, False, True]
-    attn = SdpaCoreAttention(config=None, softmax_scale=dq**-0.5)
-    got = attn.attend_pieces(
-        q, k, v, pieces,
-        causal=partial(attention._cudnn_causal, backend=SDPBackend.MATH),
-        attend=_varlen_by_documents,
-    )  # fmt: skip
+    attn = SdpaCoreAttention(
+        config=None, softmax_scale=dq**-0.5, value_dim=dv if v_padded else None
+    )
+    widths = []
+
+    def causal(q, k, v, *, scale):
+        widths.append(v.shape[-1])
+        return attention._cudnn_causal(q, k, v, scale=scale, backend=SDPBackend.MATH)
+
+    handed = torch.nn.functional.pad(v, (0, dq - dv)) if v_padded else v
+    got = attn.attend_pieces(q, k, handed, pieces, causal=causal, attend=_varlen_by_documents)
+    assert widths == [dv, dv]
     assert got.shape == (total, heads * dv)
     want = dense_attention(q, k, v, segments)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
