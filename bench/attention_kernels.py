@@ -1,4 +1,5 @@
-"""Packed causal attention: the varlen flash kernel against cuDNN's ragged kernel (GPU).
+"""Packed causal attention: the varlen flash kernel against cuDNN's ragged kernel and against
+the consumer's pieces path at a lower threshold (GPU).
 
 The consumer attends a pack of documents with one varlen flash call (`varlen_attn`; its v
 padded to the q/k head size where they differ, as latent attention's 192/128 are). cuDNN ran
@@ -12,6 +13,13 @@ never repeat meets few plans, and measures, on packs of bench/gpu_e2e.py's workl
 - each path's warm time and TFLOP/s (causal: half of 2 x rows x keys x (d_qk + d_v) x heads);
 - cuDNN's first call of each new plan key (the plan's build), and how many keys the packs met;
 - the largest difference from the flash path's output.
+
+A third path is the consumer's own (`SdpaCoreAttention.attend_pieces`, what long-tailed packs
+take for documents of LONG_DOCUMENT = 4096 rows or more) with the threshold lowered to
+--pieces-at and the length bucket to --pieces-bucket: each document from that length on
+through SDPA's dense cuDNN kernel at v's own width, padded to the bucket, the documents
+between through one varlen call each. It answers whether uniform traffic (512-4096 tokens)
+gains from it, and what its plans (one per padded length) cost the first time.
 
 The kernels alone are timed: the padding each path needs (v's head size for flash; rows for
 cuDNN) is done before. A shape cuDNN refuses is reported as such, and the bench goes on.
@@ -105,7 +113,23 @@ def pack_calls(lengths: list[int], shape: tuple[int, int, int, int], row_bucket:
         )[0]  # fmt: skip
         return out[:t]
 
-    return t, mx, run_flash, run_cudnn, (rows, docs, max_pad)
+    return t, mx, run_flash, run_cudnn, (rows, docs, max_pad), (q, k, v_flash)
+
+
+def pieces_call(lengths: list[int], qkv, dv: int, scale: float, at: int, bucket: int):
+    """The consumer's pieces path over this pack with LONG_DOCUMENT = `at` and LONG_BUCKET =
+    `bucket`: (run(), the padded lengths its cuDNN calls plan for)."""
+    from consumer.forward import attention
+
+    attention.LONG_DOCUMENT, attention.LONG_BUCKET = at, bucket
+    segments = attention.TreeBounds.documents(lengths).segments
+    q, k, v_flash = qkv
+    pieces = attention.long_document_pieces(segments, q.device) or (
+        attention.Piece(0, sum(lengths), attention.VarlenLayout.of(segments, q.device)),
+    )  # no document reaches the threshold: the one varlen call
+    core = attention.SdpaCoreAttention(config=None, softmax_scale=scale, value_dim=dv)
+    padded = {-(-n // bucket) * bucket for n in lengths if n >= at}
+    return (lambda: core.attend_pieces(q, k, v_flash, pieces)), padded
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -116,13 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--packs", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per pack and path")
     p.add_argument("--row-bucket", type=int, default=4096)
+    p.add_argument("--pieces-at", type=int, default=1024, help="0: no pieces path")
+    p.add_argument("--pieces-bucket", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
 
     import torch
 
-    hq, _, dqk, dv = SHAPES[args.shape]
+    hq, hk, dqk, dv = SHAPES[args.shape]
+    plans: set[int] = set()  # the pieces path's padded lengths met so far
 
     def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
         out = fn()
@@ -136,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
     keys: set[tuple[int, int, int]] = set()
     rows_out: list[dict] = []
     for i, lengths in enumerate(draw_packs(args.workload, args.tokens, args.packs, args.seed)):
-        t, mx, run_flash, run_cudnn, key = pack_calls(lengths, SHAPES[args.shape], args.row_bucket)
+        t, mx, run_flash, run_cudnn, key, qkv = pack_calls(
+            lengths, SHAPES[args.shape], args.row_bucket
+        )
         first = None
         if key not in keys:
             torch.cuda.synchronize()
@@ -154,6 +183,26 @@ def main(argv: list[str] | None = None) -> dict:
         t_cudnn, o_cudnn = timed(run_cudnn, args.repeats)
         flops = sum(2 * n * n * (dqk + dv) * hq for n in lengths) / 2
         diff = (o_cudnn.float() - o_flash.float()).abs().max().item()
+        pieces = {}
+        if args.pieces_at and hq == hk:  # the pieces path takes as many key as query heads
+            run_pieces, padded = pieces_call(
+                lengths, qkv, dv, dqk**-0.5, args.pieces_at, args.pieces_bucket
+            )
+            new = padded - plans
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run_pieces()
+            torch.cuda.synchronize()
+            plans |= padded
+            t_pieces, o_pieces = timed(run_pieces, args.repeats)
+            want = o_flash.reshape(t, -1).float()
+            pieces = {
+                "pieces_ms": t_pieces * 1e3,
+                "pieces_tflops": flops / t_pieces / 1e12,
+                "pieces_first_ms": (time.perf_counter() - start) * 1e3 if new else None,
+                "pieces_new_plans": len(new),
+                "pieces_max_abs_diff": (o_pieces.float() - want).abs().max().item(),
+            }
         row = {
             "docs": len(lengths),
             "rows": t,
@@ -165,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
             "cudnn_tflops": flops / t_cudnn / 1e12,
             "cudnn_first_ms": None if first is None else first * 1e3,
             "max_abs_diff": diff,
+            **pieces,
         }
         rows_out.append(row)
         print(
@@ -172,6 +222,13 @@ def main(argv: list[str] | None = None) -> dict:
             f" ({row['flash_tflops']:.0f} TFLOP/s), cuDNN {t_cudnn * 1e3:.2f} ms"
             f" ({row['cudnn_tflops']:.0f}), x{t_flash / t_cudnn:.2f}; new plan"
             f" {'-' if first is None else f'{first * 1e3:.0f} ms'}; max diff {diff:.2e}"
+            + (
+                f"; pieces {pieces['pieces_ms']:.2f} ms ({pieces['pieces_tflops']:.0f}),"
+                f" x{t_flash / t_pieces:.2f}, {pieces['pieces_new_plans']} new plans,"
+                f" diff {pieces['pieces_max_abs_diff']:.2e}"
+                if pieces
+                else ""
+            )
         )
     timed_rows = [r for r in rows_out if "flash_ms" in r]
     summary = {
@@ -191,6 +248,17 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if timed_rows:
         summary["speedup_warm"] = summary["flash_ms_total"] / summary["cudnn_ms_total"]
+    with_pieces = [r for r in timed_rows if "pieces_ms" in r]
+    if with_pieces:
+        summary["pieces"] = {
+            "at": args.pieces_at,
+            "bucket": args.pieces_bucket,
+            "plans": len(plans),
+            "speedup_warm": sum(r["flash_ms"] for r in with_pieces)
+            / sum(r["pieces_ms"] for r in with_pieces),
+            "first_calls_ms_total": sum(r["pieces_first_ms"] or 0 for r in with_pieces),
+            "max_abs_diff": max(r["pieces_max_abs_diff"] for r in with_pieces),
+        }
     print(json.dumps({k: v for k, v in summary.items() if k != "versions"}))
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "packs": rows_out}, indent=1))
