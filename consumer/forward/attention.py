@@ -41,7 +41,7 @@ own width (`SdpaCoreAttention.value_dim`), at which cuDNN takes it. It is used w
 on the device agrees with the varlen path (`cudnn_long_documents`), never while a CUDA graph
 records, and left for the rest of the run if cuDNN raises. Packs with a shared prompt keep the
 one varlen call. cuDNN's ragged kernel (one call over a pack's cumulative lengths) is not used
-for the other packs: it ran at 0.07-0.18x of the flash call on an H100 (bench/attention_kernels.py).
+for the other packs: it ran at 0.06-0.18x of the flash call on an H100 (bench/attention_kernels.py).
 """
 
 from __future__ import annotations
