@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     from consumer import cpu_compat
     from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
     from consumer.checkpoints.hf import load_hf_weights
-    from consumer.checkpoints.parallel_read import evict
+    from consumer.checkpoints.page_cache import evict
     from consumer.forward.model import build_model
     from consumer.parallel import init_parallel
     from shared.log import configure_logging

@@ -127,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "machine",
     )
     p.add_argument(
+        "--no-prefetch-too",
+        action="store_true",
+        help="first, one more fresh-machine start with `model.prefetch` off (and no compile "
+        "cache store), the same as the cold start otherwise: the checkpoint prefetch's gain",
+    )
+    p.add_argument(
         "--fast-write",
         action="store_true",
         help="draw the checkpoints' tensors on the device and save them directly (7B: "
@@ -355,6 +361,7 @@ def start(
     t0 = time.monotonic()
     [ready] = consumer.wait_event("consumer.ready", 1, args.timeout)
     [warmed] = consumer.events("consumer.warmed_up")[:1] or [{}]
+    [fetched] = consumer.events("checkpoint.prefetched")[:1] or [{}]
     return consumer, {
         "wall_s": round(time.monotonic() - t0, 2),
         **ready["phases_s"],
@@ -362,6 +369,7 @@ def start(
         "precompile": warmed.get("precompile"),
         "compile_cache_found": (warmed.get("compile_cache") or {}).get("opened"),
         "page_cache_dropped": dropped,
+        "prefetch": {k: fetched.get(k) for k in ("bytes", "seconds", "finished_before_load")},
     }
 
 
@@ -369,18 +377,21 @@ def summary(report: dict, out: Path | None) -> None:
     """Targets, the JSON report (stdout, and `out`) and readable lines."""
     load_s = report["weight_bytes"] / 2e9  # the issue's allowance: bytes at 2 GB/s
     report["targets_s"] = {
-        "cold": 10 + load_s, "shared": 8 + load_s, "pulled": 8 + load_s, "warm": 8 + load_s
+        "cold": 10 + load_s, "shared": 8 + load_s, "pulled": 8 + load_s, "warm": 8 + load_s,
+        "cold-no-prefetch": 10 + load_s,
     }  # fmt: skip
     print(json.dumps(report))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-    skip = ("total", "wall_s", "precompile", "compile_cache_found", "page_cache_dropped")
+    skip = ("total", "wall_s", "precompile", "compile_cache_found", "page_cache_dropped",
+            "prefetch")  # fmt: skip
     for name, phases in report["time_to_ready_s"].items():
         target = report["targets_s"][name]
         flag = "" if phases["total"] <= target else f"   <-- above {target:.1f} s"
         print(f"time to ready ({name}): {phases['total']:.1f} s{flag}")
         print("  phases:", {k: v for k, v in phases.items() if k not in skip})
+        print("  checkpoint prefetch:", phases.get("prefetch"))
     for output, p in report["passes"].items():
         flag = "" if p["first_over_warm"] >= 0.9 else "   <-- below 0.90"
         print(f"first/warm {output:12s} {p['first_over_warm']:.2f}{flag}")
@@ -449,6 +460,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         client = TeacherClient(settings)
         starts = {}
+        if args.no_prefetch_too:  # no store: the cold start after it must find none
+            off = settings.model_copy(
+                update={
+                    "model": settings.model.model_copy(update={"prefetch": False}),
+                    "consumer": settings.consumer.model_copy(update={"compile_cache_url": None}),
+                }
+            )
+            name = "cold-no-prefetch"
+            consumer, starts[name] = start(name, off, run, "compile-cache-np", "machine-np", args)
+            print(f"# ready ({name}): {starts[name]}", flush=True)
+            consumer.stop()
         for name, cache, machine in STARTS:
             if name == "shared":  # the sealed cache, as another machine finds it on the volume
                 shutil.copytree(run / "compile-cache", run / cache)

@@ -76,28 +76,46 @@ from bench.gpu_common import (
 )
 
 
-def _sweep(fp8: bool = False):
-    """Tile shapes --sweep times besides the default (FP8: 128 deep, 128 wide)."""
+def _sweep(fp8: bool = False) -> list[tuple]:
+    """(gate/up tiles, down tiles) pairs --sweep times besides the defaults: each GEMM's
+    candidates with the other GEMM at its default (FP8: 128 deep, and 128 wide for gate/up,
+    whose SwiGLU quantizes h per 128 columns)."""
+    from consumer.kernels import expert_gemm as eg
     from consumer.kernels.expert_gemm import Tiles
 
     if fp8:
-        return [
+        gate_up = [
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
-            Tiles(bm=64, bn=128, bk=128, warps=4, stages=4),
             Tiles(bm=64, bn=128, bk=128, warps=8, stages=3),
             Tiles(bm=128, bn=128, bk=128, warps=8, stages=2),
-            Tiles(bm=128, bn=128, bk=128, warps=8, stages=4),
             Tiles(bm=128, bn=128, bk=128, warps=4, stages=3),
         ]
-    return [
-        Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),
-        Tiles(bm=128, bn=128, bk=64, warps=8, stages=4),
-        Tiles(bm=128, bn=128, bk=64, warps=4, stages=4),
-        Tiles(bm=64, bn=128, bk=64, warps=4, stages=4),
-        Tiles(bm=128, bn=256, bk=64, warps=8, stages=3),
-        Tiles(bm=128, bn=64, bk=64, warps=4, stages=4),
-        Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=4),
-    ]
+        down = [
+            Tiles(bm=64, bn=256, bk=128, warps=8, stages=3),
+            Tiles(bm=128, bn=128, bk=128, warps=8, stages=3),
+            Tiles(bm=128, bn=256, bk=128, warps=8, stages=2),
+            Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
+        ]
+        first, second = eg.FP8_TILES, eg.FP8_DOWN_TILES
+    else:
+        gate_up = [
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4),
+            Tiles(bm=64, bn=128, bk=64, warps=4, stages=4),
+            Tiles(bm=128, bn=64, bk=64, warps=4, stages=4),
+            Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=4),
+            Tiles(bm=128, bn=128, bk=32, warps=8, stages=5),
+        ]
+        down = [
+            Tiles(bm=128, bn=256, bk=64, warps=8, stages=3),
+            Tiles(bm=128, bn=256, bk=64, warps=8, stages=4),
+            Tiles(bm=256, bn=128, bk=64, warps=8, stages=3),
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4),
+            Tiles(bm=128, bn=128, bk=128, warps=8, stages=3),
+            Tiles(bm=64, bn=256, bk=64, warps=4, stages=4),
+            Tiles(bm=128, bn=256, bk=64, group_m=16, warps=8, stages=3),
+        ]
+        first, second = eg.BF16_TILES, eg.BF16_DOWN_TILES
+    return [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
 
 
 def parse_args() -> argparse.Namespace:
@@ -335,8 +353,9 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
             moe_gemm.routed_swiglu(
                 x, rows, picks, weights.reshape(-1), counts, w1, w2, out, path=path, **scales
             )
-        else:  # a tile shape of the sweep
-            row_start, tile_end = expert_gemm.schedule(counts, tiles.bm)
+        else:  # a pair of tile shapes of the sweep: (gate/up, down)
+            first, second = tiles
+            row_start, tile_end = expert_gemm.schedule(counts, first.bm)
             a, a_scale = moe_gemm._quantize(x) if fp8 else (x, None)
             hh, hs = expert_gemm.gate_up(
                 a,
@@ -346,19 +365,19 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
                 tile_end,
                 x_scale=a_scale,
                 fc1_scale=scales.get("fc1_scale"),
-                tiles=tiles,
+                tiles=first,
             )
             expert_gemm.down(
                 hh,
                 w2,
                 row_start,
-                tile_end,
+                expert_gemm.schedule(counts, second.bm)[1],
                 picks,
                 weights.reshape(-1),
                 out,
                 h_scale=hs,
                 fc2_scale=scales.get("fc2_scale"),
-                tiles=tiles,
+                tiles=second,
             )
         return out.view(tokens, k, h).sum(dim=1)
 
@@ -375,12 +394,16 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         if device.type == "cuda":
             paths["triton"] = lambda: ours("triton")
             sweep = _sweep() if args.sweep else []
-            paths |= {f"triton {t}": functools.partial(ours, "triton", t) for t in sweep}
+            paths |= {
+                f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
+                for a, b in sweep
+            }
             if quantized:
                 paths["triton_fp8"] = lambda: ours("triton", fp8=True)
                 sweep = _sweep(fp8=True) if args.sweep else []
                 paths |= {
-                    f"triton_fp8 {t}": functools.partial(ours, "triton", t, True) for t in sweep
+                    f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
+                    for a, b in sweep
                 }
         for name, fn in paths.items():
             report[name] = _time_path(fn, want, device, iters, flops)

@@ -24,7 +24,7 @@ def main() -> int:
     started = time.monotonic()  # the start of the "import" phase of time-to-ready
     from consumer.serve import readahead
 
-    readahead.start()  # the libraries torch is about to load, read ahead on a fresh machine
+    libraries = readahead.start()  # the libraries torch is about to load, read ahead
     from shared.errors import ResultNotStored
     from shared.exitcodes import CONFIG, FAILED
     from shared.log import configure_logging, route_library_logs
@@ -45,6 +45,7 @@ def main() -> int:
             note="every start compiles their sources (seconds): run `python -m compileall` "
             "on site-packages once, or unset PYTHONDONTWRITEBYTECODE",
         )
+    from consumer.checkpoints import prefetch as checkpoint_prefetch
     from consumer.serve import cache_store, compile_cache
     from consumer.serve.precompile import Precompile
 
@@ -63,13 +64,20 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from consumer.serve.preflight import UnsafeRedis, preflight
 
+    prefetch = None
     try:
+        client = None
         if rank == 0:  # before torch and megatron are imported: a refusal takes a second
             from shared.redis_client import connect
 
-            verdict = preflight(connect(settings.redis), settings)
+            client = connect(settings.redis)
+            verdict = preflight(client, settings)
             if verdict:
                 raise UnsafeRedis(verdict)
+        # The checkpoint's bytes, read from disk while torch and megatron import.
+        prefetch = checkpoint_prefetch.start(
+            prefetch_path(settings, client), enabled=settings.model.prefetch, after=libraries
+        )
         from consumer.serve.lazy_compile import deferred_torch_compile
 
         with deferred_torch_compile():  # megatron's fusions: torch's compiler when first run
@@ -81,6 +89,7 @@ def main() -> int:
             compile_cache=cache,
             precompile=precompile,
             cache_remote=remote,
+            prefetch=prefetch,
         )
     except UnsafeRedis as exc:
         if rank == 0:
@@ -96,6 +105,21 @@ def main() -> int:
     finally:
         if precompile is not None:
             precompile.stop()
+        if prefetch is not None and not prefetch.stopped:
+            prefetch.stop()
+
+
+def prefetch_path(settings, client) -> str | None:
+    """The checkpoint this start will load, as far as this rank can tell before torch is
+    imported: the queue's updated weights where the leader's first rank finds some
+    (`shared.weights.start_choice`, the rule the consumer applies), else `model.path`."""
+    if client is not None:
+        from shared import weights
+
+        choice = weights.start_choice(weights.current(client, settings.queue.name))
+        if choice.path:
+            return choice.path
+    return settings.model.path
 
 
 def leave(code: int) -> NoReturn:

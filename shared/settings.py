@@ -188,6 +188,11 @@ class ModelSettings(_Section):
     dequantize: always expand the weights at load to `model.dtype` (bf16: twice the FP8
     bytes). The log says which (`checkpoint.fp8_*`)."""
 
+    prefetch: bool = True
+    """Read the checkpoint's files into the page cache from the start of the process, while
+    torch imports (a local Hugging Face directory that fits in half the memory available; one
+    rank per machine). Off: the load reads them itself, after the import."""
+
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model
     the consumers advertise, or the tiny preset's when no consumer has started."""

@@ -6,12 +6,15 @@ numeric references `tests/reference.py`'s, the tracing consumer stand-in
 Here: the repository root; waiting for consumers; fast-failing consumer settings, queues on a
 cluster's shards, job sets and the exactly-once check of the fault tests; request mixes; CLI
 error lines; head calls from flat keyword arguments; a client that makes the server forget its
-scripts.
+scripts; how many of a file's pages the page cache holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -235,3 +238,19 @@ class ForgetsScripts(redis.Redis):
             self.forget -= 1
             self.script_flush()
         return super().evalsha(*args, **kwargs)
+
+
+def cached_pages(path: Path, start: int, end: int) -> int:
+    """How many pages of [start, end) the page cache holds (a read that would wait on the
+    disk fails at once with RWF_NOWAIT). A probe that misses starts reading its page: probe
+    each page once."""
+    cached, probe, page = 0, bytearray(1), mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around a miss
+        for at in range(start - start % page, end, page):
+            with contextlib.suppress(BlockingIOError):
+                cached += os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1
+    finally:
+        os.close(fd)
+    return cached

@@ -22,10 +22,8 @@ plan cannot drift from what the readers read.
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from consumer.checkpoints import hf_fp8
+from consumer.checkpoints import hf_fp8, page_cache
 from consumer.checkpoints.hf_files import _VIEW_DTYPES, HfCheckpoint
 
 log = structlog.get_logger(__name__)
@@ -190,14 +188,14 @@ class ReadAhead:
             while (chunk := self._take()) is not None:
                 try:
                     mapped = self.maps.get(chunk.path)
-                    if mapped is not None and _populate(mapped, chunk.start, chunk.end):
+                    if mapped is not None and page_cache.populate(mapped, chunk.start, chunk.end):
                         done = chunk.end - chunk.start
                     else:
                         fd = files.get(chunk.path)
                         if fd is None:
                             fd = files[chunk.path] = os.open(chunk.path, os.O_RDONLY)
                         buffer = buffer or bytearray(self._chunk)
-                        done = _read(fd, chunk.start, chunk.end, buffer)
+                        done = page_cache.pread_range(fd, chunk.start, chunk.end, buffer)
                     with self._cond:
                         self.bytes_read += done
                 except (OSError, ValueError) as exc:
@@ -236,57 +234,7 @@ def _group_ends(plan: Sequence[Sequence[Span]]) -> list[int]:
     return ends
 
 
-def _read(fd: int, start: int, end: int, buffer: bytearray) -> int:
-    """Read [start, end) of `fd` into `buffer` (and so into the page cache); bytes read."""
-    done = 0
-    view = memoryview(buffer)
-    while start + done < end:
-        n = os.preadv(fd, [view[: min(len(buffer), end - start - done)]], start + done)
-        if n <= 0:
-            break  # the file is shorter than its header says: the loader will say so
-        done += n
-    return done
-
-
-# Linux 5.14+ (Python names it from 3.12 on; its value is fixed by the kernel's ABI)
-_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else 0)
-_populate_works = _POPULATE_READ != 0
-
-
-def _populate(mapped: mmap.mmap, start: int, end: int) -> bool:
-    """Fault [start, end) of `mapped` in (read from disk where not cached, and mapped); False
-    where the kernel has no MADV_POPULATE_READ (then never asked again)."""
-    global _populate_works
-    if not _populate_works:
-        return False
-    aligned = start - start % mmap.PAGESIZE
-    try:
-        mapped.madvise(_POPULATE_READ, aligned, end - aligned)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        _populate_works = False  # a kernel before 5.14
-        return False
-    return True
-
-
 def default_window() -> int:
     """`WINDOW`, or a quarter of the memory available where that is less."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return max(CHUNK, min(WINDOW, int(line.split()[1]) * 1024 // 4))
-    return WINDOW
-
-
-def evict(paths: Iterable[Path]) -> None:
-    """Drop `paths`' pages from the page cache (written back first, so that they can be), as
-    a fresh machine has them; no root needed. For measuring cold loads (bench/checkpoint_read.py
-    and the tests)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    available = page_cache.available_memory()
+    return WINDOW if available is None else max(CHUNK, min(WINDOW, available // 4))

@@ -62,6 +62,10 @@ class Tiles:
 # products spill registers there).
 BF16_TILES = Tiles(bm=128, bn=128, bk=64, warps=8, stages=3)
 FP8_TILES = Tiles(bm=64, bn=128, bk=128, warps=4, stages=4)
+# The second GEMM (no SwiGLU: one accumulator, so wider tiles fit) has its own;
+# `--sweep` times each GEMM's candidates with the other GEMM at its default.
+BF16_DOWN_TILES = BF16_TILES
+FP8_DOWN_TILES = FP8_TILES
 
 
 @triton.jit(do_not_specialize=["max_m_tiles"])  # it follows the batch's row count
@@ -332,9 +336,10 @@ def down(
     tiles: Tiles | None = None,
 ) -> None:
     """out[dst[i]] = weights[dst[i]] * (h[i] @ down_e^T) for the sorted rows i of expert e,
-    fc2 [E, N, f]; rows of `out` no dst names are left as they are."""
+    fc2 [E, N, f]; rows of `out` no dst names are left as they are. `row_start` and
+    `tile_end` are `schedule`'s at this launch's BM."""
     r, (n, f) = h.shape[0], fc2.shape[1:]
-    tiles = tiles or (FP8_TILES if h_scale is not None else BF16_TILES)
+    tiles = tiles or (FP8_DOWN_TILES if h_scale is not None else BF16_DOWN_TILES)
     if r:
         _launch(
             h, h_scale, None, fc2, fc2_scale, out, None, dst, weights, row_start, tile_end,
@@ -355,6 +360,7 @@ def precompile(
     `ffn` at `hidden`, activations in `dtype`, weights in FP8 (`fp8`) or `dtype`, routing
     weights in `routing_dtype` (consumer/serve/precompile.py)."""
     tiles = FP8_TILES if fp8 else BF16_TILES
+    down_tiles = FP8_DOWN_TILES if fp8 else BF16_DOWN_TILES
     act = torch.float8_e4m3fn if fp8 else dtype
     weight_dtype = act
     g = triton.cdiv
@@ -371,8 +377,8 @@ def precompile(
     w2_s = Shaped(torch.float32, (experts, g(hidden, 128), g(ffn, 128))) if fp8 else None
     out = Shaped(dtype, (1, hidden))
     weights = Shaped(routing_dtype, (1,))
-    common: dict[str, Any] = {"rows": 1, "tiles": tiles, "act_dtype": dtype, "compile_only": True}
+    common: dict[str, Any] = {"rows": 1, "act_dtype": dtype, "compile_only": True}
     _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, idx, idx, n_out=ffn, k=hidden,
-            swiglu=True, **common)  # fmt: skip
+            swiglu=True, tiles=tiles, **common)  # fmt: skip
     _launch(h, h_s, None, w2, w2_s, out, None, rows, weights, idx, idx, n_out=hidden, k=ffn,
-            swiglu=False, **common)  # fmt: skip
+            swiglu=False, tiles=down_tiles, **common)  # fmt: skip

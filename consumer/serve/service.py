@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from consumer import cpu_compat
+from consumer.checkpoints.prefetch import Prefetch
 from consumer.forward.attention import varlen_supported
 from consumer.forward.graphs import GraphedForward
 from consumer.forward.load_phases import phase, recording
@@ -267,13 +268,16 @@ def run(
     compile_cache: CompileCache | None = None,
     precompile: Precompile | None = None,
     cache_remote: ObjectStore | None = None,
+    prefetch: Prefetch | None = None,
 ) -> int:
     """Serve the queue until stopped; returns the process exit code. Raises UnsafeRedis,
     before loading the model, when the start-up checks refuse (see `preflight`). `started`
     (time.monotonic() at the process's start) times the import phase of `consumer.ready`;
     `compile_cache` is sealed after the warm-up (and stored in `cache_remote`, the
     `consumer.compile_cache_url` store `__main__` opened, where the seal changed it);
-    `precompile` (workers compiling the warm-up's kernels) is waited for before it."""
+    `precompile` (workers compiling the warm-up's kernels) is waited for before it;
+    `prefetch` (the checkpoint read into the page cache from the process's start) is stopped
+    once the weights are loaded."""
     clock = StartClock(started)
     cpu_compat.apply()
     clock.lap("import")
@@ -315,6 +319,8 @@ def run(
         with recording() as load_phases:
             scorer, version, generation, served_path = start_model(settings, layout, client, choice)
         clock.lap("load", split=load_phases)
+        if prefetch is not None:
+            prefetch.stop()
         precompiled = (
             precompile.wait(settings.consumer.precompile_timeout_s) if precompile else None
         )

@@ -138,7 +138,8 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     """An update to a checkpoint of the served shape overwrites the parameters where they are
     (`weights.updated` says in_place, with the drain-to-serving gap) and the results are the
     new teacher's (transformers' log-probs of it); a checkpoint of another shape is built anew
-    (in_place false), and its results are its own too."""
+    (in_place false), and its results are its own too. The first checkpoint was prefetched
+    from the process's start."""
     a, b, wider = teachers
     s = fast(settings).model_copy(
         update={"model": settings.model.model_copy(update={"path": str(a)})}
@@ -148,6 +149,11 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     ids = [3, 14, 15, 92, 65, 35, 89, 79]
     before = _logprobs(client, ids, "before")
     np.testing.assert_allclose(before.logprobs, hf_token_logprobs(a, np.array(ids)), atol=1e-4)
+    # the checkpoint's shards were read into the page cache from the process's start
+    [fetched] = [e for e in _events(proc) if e["event"] == "checkpoint.prefetched"]
+    assert fetched["of_bytes"] == sum(f.stat().st_size for f in Path(a).glob("*.safetensors"))
+    assert fetched["failed_chunks"] == 0 and 0 < fetched["bytes"] <= fetched["of_bytes"]
+    assert fetched["bytes"] == fetched["of_bytes"] or not fetched["finished_before_load"]
 
     client.update_weights(str(b), timeout=120)
     [first] = _updated(proc, 1)

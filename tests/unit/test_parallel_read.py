@@ -5,7 +5,6 @@ loader's map, or reading), stays inside its window and skips what the loader has
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import shutil
@@ -17,9 +16,11 @@ import torch
 
 from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
 from consumer.checkpoints.hf import hf_shard_readers
-from consumer.checkpoints.parallel_read import ReadAhead, Span, evict, read_plan
+from consumer.checkpoints.page_cache import evict
+from consumer.checkpoints.parallel_read import ReadAhead, Span, read_plan
 from consumer.parallel import ParallelLayout
 from tests.fp8_reference import write_fp8_pair
+from tests.helpers import cached_pages
 from tests.timing import wait_until
 
 MOE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
@@ -126,29 +127,13 @@ def _seen(ahead: ReadAhead) -> int:
     return ahead.bytes_read
 
 
-def _cached_pages(path: Path, start: int, end: int) -> int:
-    """How many pages of [start, end) the page cache holds (a read that would wait on the
-    disk fails at once with RWF_NOWAIT). A probe that misses starts reading its page: probe
-    each page once."""
-    cached, probe, page = 0, bytearray(1), mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around a miss
-        for at in range(start - start % page, end, page):
-            with contextlib.suppress(BlockingIOError):
-                cached += os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1
-    finally:
-        os.close(fd)
-    return cached
-
-
 @pytest.mark.parametrize("how", ["populate", "pread"])
 def test_every_planned_page_is_brought_in(data_file, how):
     plan = _groups(data_file, 4) + [[Span(data_file, 6 * MIB + 3, 6 * MIB + 3 + MIB // 3)]]
     total = 4 * MIB + MIB // 3
     evict([data_file])
     # (a probe that misses reads its page in: only a page outside the plan is probed here)
-    assert _cached_pages(data_file, 9 * MIB, 9 * MIB + 1) == 0, "the eviction did not evict"
+    assert cached_pages(data_file, 9 * MIB, 9 * MIB + 1) == 0, "the eviction did not evict"
     with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
         maps = {data_file: mapped} if how == "populate" else None
         with ReadAhead(plan, maps=maps, threads=3, window=64 * MIB, chunk=MIB // 4) as ahead:
@@ -157,7 +142,7 @@ def test_every_planned_page_is_brought_in(data_file, how):
     for spans in plan:
         for span in spans:
             pages = range(span.start - span.start % mmap.PAGESIZE, span.end, mmap.PAGESIZE)
-            assert _cached_pages(data_file, span.start, span.end) == len(pages), span
+            assert cached_pages(data_file, span.start, span.end) == len(pages), span
 
 
 def test_reads_stay_inside_the_window(data_file):

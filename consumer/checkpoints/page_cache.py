@@ -1,0 +1,79 @@
+"""Bringing a file's bytes into the page cache, and taking them out: the primitives under the
+loader's read-ahead (`parallel_read`) and the start-up prefetch (`prefetch`). No torch here:
+the prefetch runs before torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+# Linux 5.14+ (Python names it from 3.12 on; its value is fixed by the kernel's ABI)
+_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else 0)
+_populate_works = _POPULATE_READ != 0
+
+
+def populate(mapped: mmap.mmap, start: int, end: int) -> bool:
+    """Fault [start, end) of `mapped` in (read from disk where not cached, and mapped); False
+    where the kernel has no MADV_POPULATE_READ (then never asked again)."""
+    global _populate_works
+    if not _populate_works:
+        return False
+    aligned = start - start % mmap.PAGESIZE
+    try:
+        mapped.madvise(_POPULATE_READ, aligned, end - aligned)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _populate_works = False  # a kernel before 5.14
+        return False
+    return True
+
+
+def pread_range(fd: int, start: int, end: int, buffer: bytearray) -> int:
+    """Read [start, end) of `fd` through `buffer` (and so into the page cache); bytes read."""
+    done = 0
+    view = memoryview(buffer)
+    while start + done < end:
+        n = os.preadv(fd, [view[: min(len(buffer), end - start - done)]], start + done)
+        if n <= 0:
+            break  # the file is shorter than its header says: the loader will say so
+        done += n
+    return done
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still fill without evicting what others use: the
+    kernel's MemAvailable, or less where a cgroup (a container's limit) leaves less; None
+    where neither can be read."""
+    found = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                found = int(line.split()[1]) * 1024
+                break
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((cgroup / "memory.current").read_text())
+            found = left if found is None else min(found, left)
+    return None if found is None else max(found, 0)
+
+
+def evict(paths: Iterable[Path]) -> None:
+    """Drop `paths`' pages from the page cache (written back first, so that they can be), as
+    a fresh machine has them; no root needed. For measuring cold loads (bench/checkpoint_read.py
+    and the tests)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -1,0 +1,210 @@
+"""Read the checkpoint's files into the page cache from the first moment of a consumer's start.
+
+On a fresh machine the checkpoint's bytes come from disk, and before this the first of them
+was read only once the model was built: after the import of torch and megatron (seconds, much
+of it on the CPU while the disk idles) and the start-up checks. `start` is called by
+`python -m consumer` before torch is imported: threads populate the safetensors files, in
+their names' order (the loader's order, layer by layer, for the shards transformers writes),
+16 MiB at a time, so the loader's own read-ahead (`parallel_read`) later finds most pages
+cached. Each thread maps a file and asks the kernel to fault a range in
+(`MADV_POPULATE_READ`: read into the page cache without a copy); `pread` where the kernel has
+no such advice.
+
+It runs only where it cannot hurt: a local Hugging Face safetensors directory whose files fit
+in half the memory still available (a checkpoint larger than that would evict its own pages
+before the loader gets there; the loader's windowed read-ahead serves it alone), once per
+machine (LOCAL_RANK 0: the page cache is the machine's, every rank's shards come out of it).
+The consumer stops it once its weights are loaded. `model.prefetch` turns it off.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from consumer.checkpoints import page_cache
+
+log = structlog.get_logger(__name__)
+
+CHUNK = 16 << 20
+"""Bytes per populate call: large enough that the call costs nothing, small enough that the
+threads share a file."""
+THREADS = 8
+"""Reads in flight; they wait on the disk, not on a CPU."""
+MEMORY_SHARE = 0.5
+"""The share of the available memory a checkpoint may fill to be prefetched."""
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    path: Path
+    start: int
+    end: int
+
+
+def checkpoint_files(path: str | Path) -> list[Path] | None:
+    """The safetensors files of the Hugging Face checkpoint at `path`, in their names' order;
+    None where `path` is not a local directory holding them (a Megatron checkpoint, a URL)."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        return None
+    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    return files or None
+
+
+class Prefetch:
+    """Populates `files`' pages on `threads` threads (see the module doc); `stop` ends it after
+    the chunks in hand. `bytes_read` and `seconds` say how far it got."""
+
+    def __init__(self, files: list[Path], *, threads: int = THREADS, chunk: int = CHUNK) -> None:
+        self.files = files
+        self.total = sum(f.stat().st_size for f in files)
+        self._chunks = [
+            _Chunk(f, start, min(f.stat().st_size, start + chunk))
+            for f in files
+            for start in range(0, f.stat().st_size, chunk)
+        ]
+        self.threads = min(threads, len(self._chunks))
+        self.bytes_read = 0
+        self.failed = 0
+        self.seconds = 0.0
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._started = 0.0
+        self._running = 0
+
+    def start(self, after: threading.Thread | None = None) -> Prefetch:
+        """Start the threads; with `after`, they wait for that thread first (the libraries'
+        read-ahead: the import needs those bytes before the loader needs these)."""
+        self._running = self.threads
+        for i in range(self.threads):
+            worker = threading.Thread(
+                target=self._work, args=(after,), name=f"tq-prefetch-{i}", daemon=True
+            )
+            worker.start()
+            self._workers.append(worker)
+        return self
+
+    @property
+    def done(self) -> bool:
+        """Every thread has finished (all read, or stopped)."""
+        return self._running == 0
+
+    @property
+    def stopped(self) -> bool:
+        """`stop` was called."""
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Stop reading (threads finish the chunk in hand), wait for the threads, and log
+        how far it got (`checkpoint.prefetched`)."""
+        finished_before = self.done
+        self._stopped.set()
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
+        self._close_maps()
+        log.info(
+            "checkpoint.prefetched",
+            bytes=self.bytes_read,
+            of_bytes=self.total,
+            seconds=round(self.seconds, 3),
+            gb_per_s=round(self.bytes_read / self.seconds / 1e9, 2) if self.seconds else None,
+            finished_before_load=finished_before,
+            failed_chunks=self.failed,
+        )
+
+    def _close_maps(self) -> None:
+        with self._lock:
+            for mapped in self._maps.values():
+                if mapped is not None:
+                    mapped.close()  # the pages stay in the page cache
+            self._maps = {}
+
+    def _take(self) -> _Chunk | None:
+        with self._lock:
+            if self._stopped.is_set() or self._next >= len(self._chunks):
+                return None
+            chunk = self._chunks[self._next]
+            self._next += 1
+            return chunk
+
+    def _map(self, path: Path) -> mmap.mmap | None:
+        """One read-only map per file, shared by the threads (None: the file cannot be
+        mapped; its chunks are read with pread)."""
+        with self._lock:
+            if path not in self._maps:
+                try:
+                    with open(path, "rb") as f:
+                        self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                except (OSError, ValueError):
+                    self._maps[path] = None
+            return self._maps[path]
+
+    def _work(self, after: threading.Thread | None) -> None:
+        if after is not None:
+            after.join()
+        with self._lock:
+            if not self._started:
+                self._started = time.monotonic()
+        buffer: bytearray | None = None
+        try:
+            while (chunk := self._take()) is not None:
+                try:
+                    mapped = self._map(chunk.path)
+                    if mapped is None or not page_cache.populate(mapped, chunk.start, chunk.end):
+                        buffer = buffer or bytearray(CHUNK)
+                        fd = os.open(chunk.path, os.O_RDONLY)
+                        try:
+                            page_cache.pread_range(fd, chunk.start, chunk.end, buffer)
+                        finally:
+                            os.close(fd)
+                    with self._lock:
+                        self.bytes_read += chunk.end - chunk.start
+                except (OSError, ValueError):
+                    with self._lock:
+                        self.failed += 1  # left to the loader, which reads it as it would
+        finally:
+            with self._lock:
+                self._running -= 1
+                self.seconds = time.monotonic() - self._started
+                last = self._running == 0
+            if last:
+                self._close_maps()
+
+
+def start(
+    path: str | None,
+    *,
+    enabled: bool = True,
+    after: threading.Thread | None = None,
+    threads: int = THREADS,
+) -> Prefetch | None:
+    """A started `Prefetch` of the checkpoint at `path`, or None where it does not run (see
+    the module doc; the reason at debug level)."""
+    why = None
+    files = checkpoint_files(path) if path and enabled else None
+    if not enabled:
+        why = "model.prefetch is off"
+    elif int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        why = "another rank of this machine prefetches"
+    elif files is None:
+        why = "not a local Hugging Face safetensors directory"
+    else:
+        available = page_cache.available_memory()
+        total = sum(f.stat().st_size for f in files)
+        if available is not None and total > MEMORY_SHARE * available:
+            why = f"{total} bytes exceed half the {available} bytes of memory available"
+    if why is not None or files is None:
+        log.debug("checkpoint.prefetch_skipped", path=path, reason=why)
+        return None
+    return Prefetch(files, threads=threads).start(after)
