@@ -129,6 +129,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--label-only", action="store_true", help="teacherq: next-token only")
     p.add_argument("--gemm-only", action="store_true", help="time the expert FFN alone")
     p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
+    p.add_argument(
+        "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"
+    )
     p.add_argument("--dense-layers", type=int, default=None, help="dense first layers")
     p.add_argument("--profile", action="store_true", help="teacherq's top kernels (CUDA)")
     p.add_argument("--skip-hf", action="store_true", help="teacherq alone")
@@ -341,7 +344,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     if fc1.shape[-1] != h:  # an older transformers stores them transposed
         fc1, fc2 = fc1.transpose(1, 2).contiguous(), fc2.transpose(1, 2).contiguous()
     quantized = {}
-    if device.type == "cuda" and f % 128 == 0 and h % 128 == 0:
+    if device.type == "cuda" and f % 128 == 0 and h % 128 == 0 and not args.bf16_only:
         (q1, s1), (q2, s2) = (moe_gemm._quantize_experts(w) for w in (fc1, fc2))
         quantized = {"fc1": q1, "fc2": q2, "fc1_scale": s1, "fc2_scale": s2}
 

@@ -24,7 +24,7 @@ def main() -> int:
     started = time.monotonic()  # the start of the "import" phase of time-to-ready
     from consumer.serve import readahead
 
-    libraries = readahead.start()  # the libraries torch is about to load, read ahead
+    readahead.start()  # the libraries torch is about to load, read ahead on a fresh machine
     from shared.errors import ResultNotStored
     from shared.exitcodes import CONFIG, FAILED
     from shared.log import configure_logging, route_library_logs
@@ -76,7 +76,9 @@ def main() -> int:
                 raise UnsafeRedis(verdict)
         # The checkpoint's bytes, read from disk while torch and megatron import.
         prefetch = checkpoint_prefetch.start(
-            prefetch_path(settings, client), enabled=settings.model.prefetch, after=libraries
+            prefetch_path(settings, client),
+            enabled=settings.model.prefetch,
+            first=readahead.library_files(),
         )
         from consumer.serve.lazy_compile import deferred_torch_compile
 

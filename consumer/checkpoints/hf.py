@@ -392,6 +392,34 @@ def _fp8_linears(model: TeacherGPTModel, ckpt: HfCheckpoint, readers: dict, fp8:
     return set(converted)
 
 
+def build_hf_shell(
+    path: str | Path,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    fp8: str = "auto",
+) -> tuple[TeacherGPTModel, ModelSpec] | None:
+    """This rank's model of the Hugging Face checkpoint at `path`, validated and built with
+    every parameter zero, to be warmed up while the checkpoint's bytes are still coming from
+    disk and then loaded in place (`load_hf_weights`). None where the load would change the
+    model rather than its values (linears or experts held in FP8: `fp8_plan`)."""
+    with HfCheckpoint(path) as ckpt:
+        spec = validate_hf_checkpoint(ckpt, tp=layout.tp, ep=layout.ep)
+        if fp8_plan(ckpt, device, fp8) is not None:
+            return None
+    with phase("build"):
+        model = build_model(
+            spec, layout, params_dtype=params_dtype, device=device, init_weights=False
+        )
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()  # finite values for the warm-up (uninitialized memory may not be)
+    model.teacherq_spec = spec
+    model.teacherq_fp8_plan = None
+    return model, spec
+
+
 def load_hf_checkpoint(
     path: str | Path,
     layout: ParallelLayout,

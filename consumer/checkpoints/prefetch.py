@@ -15,6 +15,11 @@ in half the memory still available (a checkpoint larger than that would evict it
 before the loader gets there; the loader's windowed read-ahead serves it alone), once per
 machine (LOCAL_RANK 0: the page cache is the machine's, every rank's shards come out of it).
 The consumer stops it once its weights are loaded. `model.prefetch` turns it off.
+
+The import needs the libraries' bytes (torch's, the CUDA libraries') before the loader needs
+the checkpoint's, and both come from one disk: measured on an H100 host (docs/benchmarks.md),
+a prefetch racing the import for the disk made the import 8 s slower and gained nothing. So
+the threads read the libraries first (`first`), then the checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,14 +68,24 @@ class Prefetch:
     """Populates `files`' pages on `threads` threads (see the module doc); `stop` ends it after
     the chunks in hand. `bytes_read` and `seconds` say how far it got."""
 
-    def __init__(self, files: list[Path], *, threads: int = THREADS, chunk: int = CHUNK) -> None:
+    def __init__(
+        self,
+        files: list[Path],
+        *,
+        first: Sequence[Path] = (),
+        threads: int = THREADS,
+        chunk: int = CHUNK,
+    ) -> None:
         self.files = files
         self.total = sum(f.stat().st_size for f in files)
+        self.first = [f for f in first if f.is_file()]
+        self.first_bytes = sum(f.stat().st_size for f in self.first)
         self._chunks = [
             _Chunk(f, start, min(f.stat().st_size, start + chunk))
-            for f in files
+            for f in [*self.first, *files]
             for start in range(0, f.stat().st_size, chunk)
         ]
+        self._first_set = set(self.first)
         self.threads = min(threads, len(self._chunks))
         self.bytes_read = 0
         self.failed = 0
@@ -83,8 +99,7 @@ class Prefetch:
         self._running = 0
 
     def start(self, after: threading.Thread | None = None) -> Prefetch:
-        """Start the threads; with `after`, they wait for that thread first (the libraries'
-        read-ahead: the import needs those bytes before the loader needs these)."""
+        """Start the threads; with `after`, they wait for that thread first."""
         self._running = self.threads
         for i in range(self.threads):
             worker = threading.Thread(
@@ -117,6 +132,7 @@ class Prefetch:
             "checkpoint.prefetched",
             bytes=self.bytes_read,
             of_bytes=self.total,
+            library_bytes=self.first_bytes,
             seconds=round(self.seconds, 3),
             gb_per_s=round(self.bytes_read / self.seconds / 1e9, 2) if self.seconds else None,
             finished_before_load=finished_before,
@@ -169,7 +185,8 @@ class Prefetch:
                         finally:
                             os.close(fd)
                     with self._lock:
-                        self.bytes_read += chunk.end - chunk.start
+                        if chunk.path not in self._first_set:
+                            self.bytes_read += chunk.end - chunk.start
                 except (OSError, ValueError):
                     with self._lock:
                         self.failed += 1  # left to the loader, which reads it as it would
@@ -186,11 +203,13 @@ def start(
     path: str | None,
     *,
     enabled: bool = True,
+    first: Sequence[Path] = (),
     after: threading.Thread | None = None,
     threads: int = THREADS,
 ) -> Prefetch | None:
     """A started `Prefetch` of the checkpoint at `path`, or None where it does not run (see
-    the module doc; the reason at debug level)."""
+    the module doc; the reason at debug level). `first`: files read before the checkpoint's
+    (the libraries torch loads: the import needs them before the loader needs these)."""
     why = None
     files = checkpoint_files(path) if path and enabled else None
     if not enabled:
@@ -207,4 +226,4 @@ def start(
     if why is not None or files is None:
         log.debug("checkpoint.prefetch_skipped", path=path, reason=why)
         return None
-    return Prefetch(files, threads=threads).start(after)
+    return Prefetch(files, first=list(first), threads=threads).start(after)

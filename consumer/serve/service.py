@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -78,6 +79,17 @@ def build_scorer(
         model, spec, version = load_teacher(
             path, layout, params_dtype=dtype, device=device, fp8=settings.model.fp8
         )
+    return scorer_of(model, spec, settings, layout, device), version
+
+
+def scorer_of(
+    model: torch.nn.Module,
+    spec: Any,
+    settings: Settings,
+    layout: ParallelLayout,
+    device: torch.device,
+) -> Scorer:
+    """The scorer that serves `model` on this rank (stage to stage where layers are split)."""
     common: dict[str, Any] = {
         "model": model,
         "spec": spec,
@@ -88,8 +100,42 @@ def build_scorer(
     if layout.pp > 1:  # consumer/forward/pipeline.py: stage to stage, micro-batches in flight
         from consumer.forward.pipeline import PipelineScorer
 
-        return PipelineScorer(**common, microbatches=settings.parallel.microbatches), version
-    return Scorer(**common, graphs=graphed_forward(model, settings, layout, device)), version
+        return PipelineScorer(**common, microbatches=settings.parallel.microbatches)
+    return Scorer(**common, graphs=graphed_forward(model, settings, layout, device))
+
+
+def shell_scorer(settings: Settings, layout: ParallelLayout, path: str | None) -> Scorer | None:
+    """A scorer of the teacher at `path` (else the configured one) whose parameters are all
+    zero: the warm-up runs on it while the checkpoint's bytes come from disk (the prefetch),
+    and `load_in_place` fills it after. None where the weights must be loaded first: the
+    tiny preset, a Megatron checkpoint, FP8 linears or experts (`hf.build_hf_shell`)."""
+    path = path or settings.model.path
+    if path is None:
+        return None
+    from consumer.checkpoints.teacher import checkpoint_kind
+
+    if checkpoint_kind(path) != "hf":
+        return None
+    from consumer.checkpoints.hf import build_hf_shell
+
+    device = pick_device(settings.consumer.device)
+    dtype = pick_dtype(settings.model.dtype, device)
+    shell = build_hf_shell(path, layout, params_dtype=dtype, device=device, fp8=settings.model.fp8)
+    if shell is None:
+        return None
+    return scorer_of(shell[0], shell[1], settings, layout, device)
+
+
+def load_in_place(scorer: Scorer, settings: Settings, path: str | None) -> str:
+    """Load the teacher at `path` (else the configured one) into `scorer`'s parameters (a
+    `shell_scorer`'s); returns the model version."""
+    from consumer.checkpoints.hf import load_hf_weights
+    from consumer.checkpoints.teacher import model_version
+
+    path = path or settings.model.path
+    assert path is not None, "a shell is built for a checkpoint only"
+    load_hf_weights(scorer.model, scorer.spec, path, scorer.layout, fp8=settings.model.fp8)
+    return model_version(path)
 
 
 def graphed_forward(
@@ -139,34 +185,57 @@ def start_model(
     layout: ParallelLayout,
     client: redis.Redis | None,
     choice: weights.StartChoice | None,
-) -> tuple[Scorer, str, int, str]:
+    warm: Callable[[Scorer], dict] | None = None,
+) -> tuple[Scorer, str, int, str, dict | None]:
     """Load the weights this replica starts on (`weights.start_choice`, made by the leader and
     broadcast): the queue's updated weights if any, else the configured model. If the queue's
-    weights cannot be loaded, the running update is recorded as failed and the replica starts
-    on the weights before it (or its configured model) instead of dying; returns scorer,
-    version, the generation served and its path ("" = the configured model). Only the
-    configured model failing is fatal."""
+    weights cannot be loaded, the replica starts on the weights before the update (or its
+    configured model) instead of dying, and the running update is recorded as failed; only
+    the configured model failing is fatal. Returns scorer, version, the generation served, its
+    path ("" = the configured model), and what `warm` returned where it ran here.
+
+    With `warm` (the start-up's warm-up), a Hugging Face teacher is warmed up before its
+    weights are loaded: on a shell of zero parameters (`shell_scorer`), then filled in place,
+    so the warm-up's seconds pass while the prefetch still reads the checkpoint from disk.
+    Every rank agrees on the shell before the warm-up (whose collectives all ranks must
+    reach), and on the load after it."""
     group, device = layout.replica_group, pick_device(settings.consumer.device)
     queue = settings.queue.name
     path = broadcast_text(
         (choice.path or "") if choice else "", src=layout.leader_rank, group=group
     )
 
-    def load(p: str) -> tuple[Scorer, str]:
+    def load(p: str) -> tuple[Scorer, str | None]:
+        shell = shell_scorer(settings, layout, p or None) if warm is not None else None
+        if shell is not None:
+            return shell, None  # no version yet: the weights come after the warm-up
         return build_scorer(settings, layout, p or None)
 
     loaded, reason = load_agreed(load, path, group=group, device=device)
+    warmed = None
+    if loaded is not None and loaded[1] is None and warm is not None:
+        shell = loaded[0]
+        warmed = warm(shell)
+        loaded, reason = load_agreed(
+            lambda p: (shell, load_in_place(shell, settings, p or None)),
+            path,
+            group=group,
+            device=device,
+        )
+        if loaded is None:
+            warmed = None  # the scorer built next is another: the caller warms it
     if loaded is not None:
+        version = cast(str, loaded[1])
         if choice is not None:
             log.info(
                 "model.selected",
                 path=path or settings.model.path or "(tiny preset)",
                 source=choice.source,
                 generation=choice.generation,
-                model_version=loaded[1],
+                model_version=version,
             )
-            return loaded[0], loaded[1], choice.generation, path
-        return loaded[0], loaded[1], 0, path
+            return loaded[0], version, choice.generation, path, warmed
+        return loaded[0], version, 0, path, warmed
     if not path:  # the configured model itself: a configuration error
         raise CheckpointLoadError(f"TEACHERQ_MODEL__PATH={settings.model.path!r}: {reason}")
     fallback = ""
@@ -201,7 +270,7 @@ def start_model(
         model_version=version,
         note=f"queue weights {path!r} failed to load",
     )
-    return scorer, version, generation, fallback
+    return scorer, version, generation, fallback, None
 
 
 class StartClock:
@@ -210,7 +279,8 @@ class StartClock:
     (parallel layout, Redis checks), build / read / copy / load (the model: built, bytes read,
     copied to the device, the rest of loading), compile (waiting for the precompile workers),
     warmup (consumer/serve/warmup.py, and sealing the compile cache), open (the leader's
-    stream and heartbeat)."""
+    stream and heartbeat). A Hugging Face teacher is warmed up before its weights are read
+    (`start_model`): its compile and warmup seconds come between build and read."""
 
     def __init__(self, started: float | None) -> None:
         self.started = started if started is not None else time.monotonic()
@@ -218,15 +288,16 @@ class StartClock:
         self.phases: dict[str, float] = {}
 
     def lap(self, name: str, *, split: dict[str, float] | None = None) -> None:
-        """Close phase `name` now; `split` (load phases: build, read, copy) names parts of
-        it, and what they leave is kept as `name`."""
+        """Close phase `name` now; `split` (load phases: build, read, copy, and compile and
+        warmup where the warm-up ran before the weights came) names parts of it, and what
+        they leave is kept as `name`. A phase met twice adds up."""
         now = time.monotonic()
         total = now - self._last
         self._last = now
         for part, seconds in (split or {}).items():
-            self.phases[part] = round(seconds, 3)
+            self.phases[part] = round(self.phases.get(part, 0.0) + seconds, 3)
             total -= seconds
-        self.phases[name] = round(max(total, 0.0), 3)
+        self.phases[name] = round(self.phases.get(name, 0.0) + max(total, 0.0), 3)
         self.phases["total"] = round(now - self.started, 3)
 
 
@@ -316,27 +387,40 @@ def run(
             control_cursor = last_control_id(client, settings.queue.name)
             choice = weights.start_choice(weights.current(client, settings.queue.name))
         clock.lap("setup")
+        compiled_before = compiled_kernels(compile_cache)
+
+        def warm(fresh: Scorer) -> dict:
+            """Wait for the precompile workers, then warm `fresh` up (phases compile and
+            warmup of the start)."""
+            with phase("compile"):
+                precompiled = (
+                    precompile.wait(settings.consumer.precompile_timeout_s) if precompile else None
+                )
+            with phase("warmup"):
+                return {"precompile": precompiled or {}, **warmup(fresh, settings)}
+
         with recording() as load_phases:
-            scorer, version, generation, served_path = start_model(settings, layout, client, choice)
-        clock.lap("load", split=load_phases)
+            scorer, version, generation, served_path, warmed = start_model(
+                settings, layout, client, choice, warm=warm
+            )
         if prefetch is not None:
             prefetch.stop()
-        precompiled = (
-            precompile.wait(settings.consumer.precompile_timeout_s) if precompile else None
-        )
-        clock.lap("compile")
-        compiled_before = compiled_kernels(compile_cache)
-        warmed = warmup(scorer, settings)
-        sealed = seal(compile_cache, precompile, cache_remote)
-        clock.lap("warmup")
+        clock.lap("load", split=load_phases)
+        before_load = warmed is not None
+        with recording() as warm_phases:
+            if warmed is None:  # the weights had to come first
+                warmed = warm(scorer)
+            with phase("warmup"):
+                sealed = seal(compile_cache, precompile, cache_remote)
+        clock.lap("warmup", split=warm_phases)
         log.info(
             "consumer.warmed_up",
             compile_caches=compile_cache.variables if compile_cache else {},
             compile_cache=compile_cache.describe() if compile_cache else {},
-            precompile=precompiled or {},
             # Kernels the warm-up compiled itself: 0 when the cache or the precompile had them.
             compiled_in_warmup=compiled_kernels(compile_cache) - compiled_before,
             sealed_files=sealed,
+            before_load=before_load,
             **warmed,
         )
         reload = Reloader(

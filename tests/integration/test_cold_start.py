@@ -139,7 +139,7 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     (`weights.updated` says in_place, with the drain-to-serving gap) and the results are the
     new teacher's (transformers' log-probs of it); a checkpoint of another shape is built anew
     (in_place false), and its results are its own too. The first checkpoint was prefetched
-    from the process's start."""
+    from the process's start, and the warm-up ran before its weights were loaded."""
     a, b, wider = teachers
     s = fast(settings).model_copy(
         update={"model": settings.model.model_copy(update={"path": str(a)})}
@@ -154,6 +154,9 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     assert fetched["of_bytes"] == sum(f.stat().st_size for f in Path(a).glob("*.safetensors"))
     assert fetched["failed_chunks"] == 0 and 0 < fetched["bytes"] <= fetched["of_bytes"]
     assert fetched["bytes"] == fetched["of_bytes"] or not fetched["finished_before_load"]
+    # warmed up on a shell of zero weights, then loaded in place: the results above are a's
+    [warmed] = [e for e in _events(proc) if e["event"] == "consumer.warmed_up"]
+    assert warmed["before_load"] is True
 
     client.update_weights(str(b), timeout=120)
     [first] = _updated(proc, 1)

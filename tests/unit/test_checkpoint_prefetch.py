@@ -61,9 +61,26 @@ def test_every_page_of_the_shards_is_brought_in(checkpoint):
     assert cached_pages(notes, 0, 1) == 0, "a file that is not a shard was read"
 
 
-def test_it_waits_for_the_libraries_and_stops_when_told(checkpoint):
-    """Threads start reading after `after` (the libraries' read-ahead); a stop before then
-    leaves everything unread, and the threads are gone."""
+def test_the_libraries_come_first_and_count_apart(checkpoint, tmp_path):
+    """`first` (the libraries torch loads) is read too, before the shards, and counted apart
+    from the checkpoint's bytes."""
+    library = tmp_path / "libtorch_fake.so"
+    library.write_bytes(os.urandom(MIB + 7))
+    shards = _shards(checkpoint)
+    evict([library, *shards])
+    ahead = prefetch.start(str(checkpoint), first=[library, tmp_path / "gone.so"], threads=1)
+    assert ahead is not None
+    wait_until(lambda: ahead.done, "the prefetch to finish")
+    ahead.stop()
+    assert ahead.first_bytes == MIB + 7 and ahead.bytes_read == ahead.total
+    assert cached_pages(library, 0, MIB + 7) == _pages(library)
+    for shard in shards:
+        assert cached_pages(shard, 0, shard.stat().st_size) == _pages(shard), shard
+
+
+def test_it_waits_for_another_thread_and_stops_when_told(checkpoint):
+    """Threads start reading after `after` (another thread); a stop before then leaves
+    everything unread, and the threads are gone."""
     gate = threading.Event()
     libraries = threading.Thread(target=gate.wait, daemon=True)
     libraries.start()
