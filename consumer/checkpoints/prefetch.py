@@ -6,9 +6,10 @@ of it on the CPU while the disk idles) and the start-up checks. `start` is calle
 `python -m consumer` before torch is imported: threads populate the safetensors files, in
 their names' order (the loader's order, layer by layer, for the shards transformers writes),
 16 MiB at a time, so the loader's own read-ahead (`parallel_read`) later finds most pages
-cached. Each thread maps a file and asks the kernel to fault a range in
-(`MADV_POPULATE_READ`: read into the page cache without a copy); `pread` where the kernel has
-no such advice.
+cached. Each thread reads with `pread` into a buffer of its own: populating a memory map
+(as the loader's read-ahead does) would hold the process's memory-map lock for the length of
+each disk read, and the import maps libraries and allocates memory through that same lock:
+measured on an H100 host, populating threads made the import 2.5-3.5x slower.
 
 It runs only where it cannot hurt: a local Hugging Face safetensors directory whose files fit
 in half the memory still available (a checkpoint larger than that would evict its own pages
@@ -17,14 +18,12 @@ machine (LOCAL_RANK 0: the page cache is the machine's, every rank's shards come
 The consumer stops it once its weights are loaded. `model.prefetch` turns it off.
 
 The import needs the libraries' bytes (torch's, the CUDA libraries') before the loader needs
-the checkpoint's, and both come from one disk: measured on an H100 host (docs/benchmarks.md),
-a prefetch racing the import for the disk made the import 8 s slower and gained nothing. So
-the threads read the libraries first (`first`), then the checkpoint.
+the checkpoint's, and both come from one disk, so the threads read the libraries first
+(`first`), then the checkpoint.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
@@ -39,8 +38,8 @@ from consumer.checkpoints import page_cache
 log = structlog.get_logger(__name__)
 
 CHUNK = 16 << 20
-"""Bytes per populate call: large enough that the call costs nothing, small enough that the
-threads share a file."""
+"""Bytes per read: large enough that the call costs nothing, small enough that the threads
+share a file."""
 THREADS = 8
 """Reads in flight; they wait on the disk, not on a CPU."""
 MEMORY_SHARE = 0.5
@@ -65,8 +64,9 @@ def checkpoint_files(path: str | Path) -> list[Path] | None:
 
 
 class Prefetch:
-    """Populates `files`' pages on `threads` threads (see the module doc); `stop` ends it after
-    the chunks in hand. `bytes_read` and `seconds` say how far it got."""
+    """Reads `first`, then `files`, into the page cache on `threads` threads (see the module
+    doc); `stop` ends it after the chunks in hand. `bytes_read` (of `files`) and `seconds` say
+    how far it got."""
 
     def __init__(
         self,
@@ -94,7 +94,7 @@ class Prefetch:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._workers: list[threading.Thread] = []
-        self._maps: dict[Path, mmap.mmap | None] = {}
+        self._chunk = chunk
         self._started = 0.0
         self._running = 0
 
@@ -127,7 +127,6 @@ class Prefetch:
         for worker in self._workers:
             worker.join()
         self._workers = []
-        self._close_maps()
         log.info(
             "checkpoint.prefetched",
             bytes=self.bytes_read,
@@ -139,13 +138,6 @@ class Prefetch:
             failed_chunks=self.failed,
         )
 
-    def _close_maps(self) -> None:
-        with self._lock:
-            for mapped in self._maps.values():
-                if mapped is not None:
-                    mapped.close()  # the pages stay in the page cache
-            self._maps = {}
-
     def _take(self) -> _Chunk | None:
         with self._lock:
             if self._stopped.is_set() or self._next >= len(self._chunks):
@@ -154,18 +146,6 @@ class Prefetch:
             self._next += 1
             return chunk
 
-    def _map(self, path: Path) -> mmap.mmap | None:
-        """One read-only map per file, shared by the threads (None: the file cannot be
-        mapped; its chunks are read with pread)."""
-        with self._lock:
-            if path not in self._maps:
-                try:
-                    with open(path, "rb") as f:
-                        self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                except (OSError, ValueError):
-                    self._maps[path] = None
-            return self._maps[path]
-
     def _work(self, after: threading.Thread | None) -> None:
         if after is not None:
             after.join()
@@ -173,17 +153,15 @@ class Prefetch:
             if not self._started:
                 self._started = time.monotonic()
         buffer: bytearray | None = None
+        files: dict[Path, int] = {}
         try:
             while (chunk := self._take()) is not None:
                 try:
-                    mapped = self._map(chunk.path)
-                    if mapped is None or not page_cache.populate(mapped, chunk.start, chunk.end):
-                        buffer = buffer or bytearray(CHUNK)
-                        fd = os.open(chunk.path, os.O_RDONLY)
-                        try:
-                            page_cache.pread_range(fd, chunk.start, chunk.end, buffer)
-                        finally:
-                            os.close(fd)
+                    fd = files.get(chunk.path)
+                    if fd is None:
+                        fd = files[chunk.path] = os.open(chunk.path, os.O_RDONLY)
+                    buffer = buffer or bytearray(self._chunk)
+                    page_cache.pread_range(fd, chunk.start, chunk.end, buffer)
                     with self._lock:
                         if chunk.path not in self._first_set:
                             self.bytes_read += chunk.end - chunk.start
@@ -191,12 +169,11 @@ class Prefetch:
                     with self._lock:
                         self.failed += 1  # left to the loader, which reads it as it would
         finally:
+            for fd in files.values():
+                os.close(fd)
             with self._lock:
                 self._running -= 1
                 self.seconds = time.monotonic() - self._started
-                last = self._running == 0
-            if last:
-                self._close_maps()
 
 
 def start(
