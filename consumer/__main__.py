@@ -74,11 +74,12 @@ def main() -> int:
             verdict = preflight(client, settings)
             if verdict:
                 raise UnsafeRedis(verdict)
-        # The checkpoint's bytes, read from disk while torch and megatron import.
+        # The checkpoint's bytes, read from disk once torch and megatron are imported.
         prefetch = checkpoint_prefetch.start(
             prefetch_path(settings, client),
             enabled=settings.model.prefetch,
             first=readahead.library_files(),
+            begin=False,
         )
         from consumer.serve.lazy_compile import deferred_torch_compile
 

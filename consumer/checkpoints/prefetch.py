@@ -1,15 +1,24 @@
 """Read the checkpoint's files into the page cache from the first moment of a consumer's start.
 
 On a fresh machine the checkpoint's bytes come from disk, and before this the first of them
-was read only once the model was built: after the import of torch and megatron (seconds, much
-of it on the CPU while the disk idles) and the start-up checks. `start` is called by
-`python -m consumer` before torch is imported: threads populate the safetensors files, in
-their names' order (the loader's order, layer by layer, for the shards transformers writes),
-16 MiB at a time, so the loader's own read-ahead (`parallel_read`) later finds most pages
-cached. Each thread reads with `pread` into a buffer of its own: populating a memory map
-(as the loader's read-ahead does) would hold the process's memory-map lock for the length of
-each disk read, and the import maps libraries and allocates memory through that same lock:
-measured on an H100 host, populating threads made the import 2.5-3.5x slower.
+was read only once the model was built and, since the warm-up runs before the weights are
+loaded (`consumer.serve.service.start_model`), only after the warm-up. `python -m consumer`
+prepares a `Prefetch` before torch is imported (it finds the checkpoint from the settings and
+the queue's weight record) and the consumer starts it as soon as the import is done: threads
+read the safetensors files, in their names' order (the loader's order, layer by layer, for
+the shards transformers writes), 16 MiB at a time, while the model is built and warmed up,
+so the loader's own read-ahead (`parallel_read`) then finds most pages cached.
+
+Not during the import: the import reads thousands of small files (bytecode, shared objects)
+one at a time, and each such read waited behind the prefetch's reads in the disk's queue.
+Measured on an H100 host (docs/benchmarks.md), a prefetch from the process's first moment
+made the 7B start's import 3x slower (5.7 s to 16-20 s) and the start no faster.
+
+Each thread reads with `pread` into a buffer of its own, not by populating a memory map (as
+the loader's read-ahead does), which would hold the process's memory-map lock for the length
+of each disk read while the warm-up maps and allocates memory. The libraries torch loads
+(`first`) are read before the checkpoint: the CUDA libraries load parts of themselves only
+when the warm-up first calls them.
 
 It runs only where it cannot hurt: a local Hugging Face safetensors directory whose files fit
 in half the memory still available (a checkpoint larger than that would evict its own pages
@@ -111,8 +120,8 @@ class Prefetch:
 
     @property
     def done(self) -> bool:
-        """Every thread has finished (all read, or stopped)."""
-        return self._running == 0
+        """It was started, and every thread has finished (all read, or stopped)."""
+        return bool(self._workers) and self._running == 0
 
     @property
     def stopped(self) -> bool:
@@ -124,9 +133,10 @@ class Prefetch:
         how far it got (`checkpoint.prefetched`)."""
         finished_before = self.done
         self._stopped.set()
+        if not self._workers:
+            return  # never started: nothing read, nothing to say
         for worker in self._workers:
             worker.join()
-        self._workers = []
         log.info(
             "checkpoint.prefetched",
             bytes=self.bytes_read,
@@ -183,10 +193,12 @@ def start(
     first: Sequence[Path] = (),
     after: threading.Thread | None = None,
     threads: int = THREADS,
+    begin: bool = True,
 ) -> Prefetch | None:
-    """A started `Prefetch` of the checkpoint at `path`, or None where it does not run (see
-    the module doc; the reason at debug level). `first`: files read before the checkpoint's
-    (the libraries torch loads: the import needs them before the loader needs these)."""
+    """A `Prefetch` of the checkpoint at `path` (started, unless `begin` is false: then the
+    caller starts it), or None where it does not run (see the module doc; the reason at
+    debug level). `first`: files read before the checkpoint's (the CUDA libraries, parts of
+    which load only when the warm-up first calls them)."""
     why = None
     files = checkpoint_files(path) if path and enabled else None
     if not enabled:
@@ -203,4 +215,5 @@ def start(
     if why is not None or files is None:
         log.debug("checkpoint.prefetch_skipped", path=path, reason=why)
         return None
-    return Prefetch(files, first=list(first), threads=threads).start(after)
+    prefetch = Prefetch(files, first=list(first), threads=threads)
+    return prefetch.start(after) if begin else prefetch

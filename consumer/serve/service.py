@@ -347,11 +347,13 @@ def run(
     `compile_cache` is sealed after the warm-up (and stored in `cache_remote`, the
     `consumer.compile_cache_url` store `__main__` opened, where the seal changed it);
     `precompile` (workers compiling the warm-up's kernels) is waited for before it;
-    `prefetch` (the checkpoint read into the page cache from the process's start) is stopped
-    once the weights are loaded."""
+    `prefetch` (the checkpoint read into the page cache, prepared by `__main__`) is started
+    after the import and stopped once the weights are loaded."""
     clock = StartClock(started)
     cpu_compat.apply()
     clock.lap("import")
+    if prefetch is not None:
+        prefetch.start()  # now that the import's own reads are done
     stop = StopFlag()
     stop.install()
     layout = init_parallel(

@@ -49,8 +49,10 @@ def test_every_page_of_the_shards_is_brought_in(checkpoint):
     evict([*shards, checkpoint / "notes.txt"])
     last = shards[-1].stat().st_size - 1  # a probe reads its page in: probe one page only
     assert cached_pages(shards[-1], last, last + 1) == 0, "the eviction did not evict"
-    ahead = prefetch.start(str(checkpoint), threads=3)
-    assert ahead is not None and ahead.files == shards
+    ahead = prefetch.start(str(checkpoint), threads=3, begin=False)  # as __main__ prepares it
+    assert ahead is not None and ahead.files == shards and not ahead.done
+    assert ahead.bytes_read == 0
+    ahead.start()  # as the consumer starts it, after the import
     wait_until(lambda: ahead.done, "the prefetch to finish")
     ahead.stop()
     assert ahead.bytes_read == ahead.total == sum(f.stat().st_size for f in shards)
