@@ -188,10 +188,11 @@ class ModelSettings(_Section):
     dequantize: always expand the weights at load to `model.dtype` (bf16: twice the FP8
     bytes). The log says which (`checkpoint.fp8_*`)."""
 
-    prefetch: bool = True
-    """Read the checkpoint's files into the page cache from the start of the process, while
-    torch imports (a local Hugging Face directory that fits in half the memory available; one
-    rank per machine). Off: the load reads them itself, after the import."""
+    prefetch: bool = False
+    """Read the checkpoint's files into the page cache once torch is imported, and warm up
+    on zero weights meanwhile, loading them after (a local Hugging Face directory that fits
+    in half the memory available; one rank per machine). Off by default: on an H100 host it
+    gained nothing, the warm-up's own disk reads waiting behind it (docs/benchmarks.md)."""
 
     vocab_size: int | None = Field(default=None, ge=2)
     """Vocabulary size producers validate token ids against. Unset: taken from the model

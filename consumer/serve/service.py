@@ -279,8 +279,8 @@ class StartClock:
     (parallel layout, Redis checks), build / read / copy / load (the model: built, bytes read,
     copied to the device, the rest of loading), compile (waiting for the precompile workers),
     warmup (consumer/serve/warmup.py, and sealing the compile cache), open (the leader's
-    stream and heartbeat). A Hugging Face teacher is warmed up before its weights are read
-    (`start_model`): its compile and warmup seconds come between build and read."""
+    stream and heartbeat). Where the checkpoint is prefetched, a Hugging Face teacher is warmed
+    up before its weights are read (`start_model`): compile and warmup come before read."""
 
     def __init__(self, started: float | None) -> None:
         self.started = started if started is not None else time.monotonic()
@@ -402,8 +402,10 @@ def run(
                 return {"precompile": precompiled or {}, **warmup(fresh, settings)}
 
         with recording() as load_phases:
+            # Warm up first only while the prefetch reads the checkpoint: otherwise the load
+            # would follow the warm-up instead of overlapping the precompile workers.
             scorer, version, generation, served_path, warmed = start_model(
-                settings, layout, client, choice, warm=warm
+                settings, layout, client, choice, warm=warm if prefetch is not None else None
             )
         if prefetch is not None:
             prefetch.stop()

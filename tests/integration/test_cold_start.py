@@ -138,11 +138,11 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     """An update to a checkpoint of the served shape overwrites the parameters where they are
     (`weights.updated` says in_place, with the drain-to-serving gap) and the results are the
     new teacher's (transformers' log-probs of it); a checkpoint of another shape is built anew
-    (in_place false), and its results are its own too. The first checkpoint was prefetched
-    from the process's start, and the warm-up ran before its weights were loaded."""
+    (in_place false), and its results are its own too. With `model.prefetch` the first
+    checkpoint was prefetched, and the warm-up ran before its weights were loaded."""
     a, b, wider = teachers
     s = fast(settings).model_copy(
-        update={"model": settings.model.model_copy(update={"path": str(a)})}
+        update={"model": settings.model.model_copy(update={"path": str(a), "prefetch": True})}
     )
     proc = start_consumer(s)
     client = TeacherClient(s)
