@@ -78,7 +78,7 @@ def main() -> int:
         prefetch = checkpoint_prefetch.start(
             prefetch_path(settings, client),
             enabled=settings.model.prefetch,
-            first=readahead.library_files(),
+            first=lambda: readahead.start_files(cache.path),
             begin=False,
         )
         from consumer.serve.lazy_compile import deferred_torch_compile

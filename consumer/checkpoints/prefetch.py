@@ -1,4 +1,4 @@
-"""Read the checkpoint's files into the page cache from the first moment of a consumer's start.
+"""Read the checkpoint's files into the page cache while a consumer starts (`model.prefetch`).
 
 On a fresh machine the checkpoint's bytes come from disk, and before this the first of them
 was read only once the model was built and, since the warm-up runs before the weights are
@@ -16,27 +16,30 @@ made the 7B start's import 3x slower (5.7 s to 16-20 s) and the start no faster.
 
 Each thread reads with `pread` into a buffer of its own, not by populating a memory map (as
 the loader's read-ahead does), which would hold the process's memory-map lock for the length
-of each disk read while the warm-up maps and allocates memory. The libraries torch loads
-(`first`) are read before the checkpoint: the CUDA libraries load parts of themselves only
-when the warm-up first calls them.
+of each disk read while the warm-up maps and allocates memory.
+
+What else the start reads from disk waits behind the prefetch's reads: measured on an H100
+host, a warm-up that took 4.4 s on a warm page cache took 10-13 s beside a prefetch. So the
+threads first read what the start reads after its import (`first`; `python -m consumer` passes
+`consumer.serve.readahead.start_files`): the bytecode of the modules imported later, the
+compile cache's kernels, the libraries' shared objects (the CUDA libraries load parts of
+themselves on first use); then the checkpoint.
 
 It runs only where it cannot hurt: a local Hugging Face safetensors directory whose files fit
 in half the memory still available (a checkpoint larger than that would evict its own pages
 before the loader gets there; the loader's windowed read-ahead serves it alone), once per
 machine (LOCAL_RANK 0: the page cache is the machine's, every rank's shards come out of it).
-The consumer stops it once its weights are loaded. `model.prefetch` turns it off.
-
-The import needs the libraries' bytes (torch's, the CUDA libraries') before the loader needs
-the checkpoint's, and both come from one disk, so the threads read the libraries first
-(`first`), then the checkpoint.
+The consumer stops it once its weights are loaded. `model.prefetch` turns it on (off by
+default: see docs/benchmarks.md, "Checkpoint prefetch at start-up").
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,21 +84,19 @@ class Prefetch:
         self,
         files: list[Path],
         *,
-        first: Sequence[Path] = (),
+        first: Sequence[Path] | Callable[[], Iterable[Path]] = (),
         threads: int = THREADS,
         chunk: int = CHUNK,
     ) -> None:
         self.files = files
         self.total = sum(f.stat().st_size for f in files)
-        self.first = [f for f in first if f.is_file()]
-        self.first_bytes = sum(f.stat().st_size for f in self.first)
-        self._chunks = [
-            _Chunk(f, start, min(f.stat().st_size, start + chunk))
-            for f in [*self.first, *files]
-            for start in range(0, f.stat().st_size, chunk)
-        ]
-        self._first_set = set(self.first)
-        self.threads = min(threads, len(self._chunks))
+        self.first: list[Path] = []
+        self.first_bytes = 0
+        self._list_first = first if callable(first) else lambda: first
+        self._chunks: list[_Chunk] | None = None  # listed by the first thread to run
+        self._mine = set(files)
+        self._chunk = chunk
+        self.threads = threads
         self.bytes_read = 0
         self.failed = 0
         self.seconds = 0.0
@@ -103,7 +104,6 @@ class Prefetch:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._workers: list[threading.Thread] = []
-        self._chunk = chunk
         self._started = 0.0
         self._running = 0
 
@@ -148,8 +148,26 @@ class Prefetch:
             failed_chunks=self.failed,
         )
 
+    def _plan(self) -> list[_Chunk]:
+        """`first`'s files (listed here, on a prefetch thread: a walk of a package's bytecode
+        takes a while), then the checkpoint's, cut into chunks."""
+        listed: list[Path] = []
+        with contextlib.suppress(OSError):
+            listed = list(self._list_first())
+        first = _sizes(listed)
+        self.first = [f for f, _ in first]
+        self.first_bytes = sum(size for _, size in first)
+        sized = [*first, *_sizes(self.files)]  # a file gone since: left to the loader
+        return [
+            _Chunk(f, start, min(size, start + self._chunk))
+            for f, size in sized
+            for start in range(0, size, self._chunk)
+        ]
+
     def _take(self) -> _Chunk | None:
         with self._lock:
+            if self._chunks is None:
+                self._chunks = self._plan()
             if self._stopped.is_set() or self._next >= len(self._chunks):
                 return None
             chunk = self._chunks[self._next]
@@ -173,7 +191,7 @@ class Prefetch:
                     buffer = buffer or bytearray(self._chunk)
                     page_cache.pread_range(fd, chunk.start, chunk.end, buffer)
                     with self._lock:
-                        if chunk.path not in self._first_set:
+                        if chunk.path in self._mine:
                             self.bytes_read += chunk.end - chunk.start
                 except (OSError, ValueError):
                     with self._lock:
@@ -186,19 +204,29 @@ class Prefetch:
                 self.seconds = time.monotonic() - self._started
 
 
+def _sizes(files: Iterable[Path]) -> list[tuple[Path, int]]:
+    """(file, size) of each of `files` that is a readable regular file now."""
+    found = []
+    for f in files:
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                found.append((f, f.stat().st_size))
+    return found
+
+
 def start(
     path: str | None,
     *,
     enabled: bool = True,
-    first: Sequence[Path] = (),
+    first: Sequence[Path] | Callable[[], Iterable[Path]] = (),
     after: threading.Thread | None = None,
     threads: int = THREADS,
     begin: bool = True,
 ) -> Prefetch | None:
     """A `Prefetch` of the checkpoint at `path` (started, unless `begin` is false: then the
     caller starts it), or None where it does not run (see the module doc; the reason at
-    debug level). `first`: files read before the checkpoint's (the CUDA libraries, parts of
-    which load only when the warm-up first calls them)."""
+    debug level). `first`: files read before the checkpoint's, or a function that lists them
+    (called on a prefetch thread): what the rest of the start will read (see the module doc)."""
     why = None
     files = checkpoint_files(path) if path and enabled else None
     if not enabled:
@@ -215,5 +243,5 @@ def start(
     if why is not None or files is None:
         log.debug("checkpoint.prefetch_skipped", path=path, reason=why)
         return None
-    prefetch = Prefetch(files, first=list(first), threads=threads)
+    prefetch = Prefetch(files, first=first, threads=threads)
     return prefetch.start(after) if begin else prefetch

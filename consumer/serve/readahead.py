@@ -37,6 +37,27 @@ def library_files(patterns: dict[str, tuple[str, ...]] = PATTERNS) -> list[Path]
     return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
 
 
+def bytecode_files(packages: Iterable[str] = ("torch", "triton", "megatron")) -> list[Path]:
+    """This interpreter's bytecode files of `packages` (found without importing them): the
+    modules the consumer imports lazily, after its start-up import, are read from these."""
+    tag = sys.implementation.cache_tag
+    files: list[Path] = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            files += Path(root).rglob(f"__pycache__/*.{tag}.pyc")
+    return files
+
+
+def start_files(compile_cache: Path | None) -> list[Path]:
+    """What a consumer reads from disk after its import besides the checkpoint, for the
+    checkpoint prefetch to read first (consumer/checkpoints/prefetch.py): the bytecode of the
+    modules imported later (small files, needed first), the compile cache's kernels, then the
+    libraries' shared objects (the CUDA libraries load parts of themselves on first use)."""
+    cached = [p for p in compile_cache.rglob("*") if p.is_file()] if compile_cache else []
+    return [*bytecode_files(), *cached, *library_files()]
+
+
 def advise(files: Iterable[Path]) -> int:
     """Tell the kernel each file will be read soon; returns the bytes advised."""
     total = 0

@@ -3,6 +3,8 @@ shared objects of the installed packages without importing them, and advises eve
 
 from __future__ import annotations
 
+import compileall
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,30 @@ def test_packages_without_bytecode_that_will_get_none_are_named(
     py_compile.compile(str(pkg / "__init__.py"))
     assert readahead.without_bytecode(["tqpkg_nobytecode"], dont_write=True) == []
     assert readahead.without_bytecode(["no_such_package_here"], dont_write=True) == []
+
+
+def test_start_files_list_bytecode_then_the_compile_cache_then_libraries(tmp_path, monkeypatch):
+    """What the checkpoint prefetch reads first: a package's bytecode for this interpreter
+    (found without importing it), every file of the compile cache, then the libraries."""
+    pkg = tmp_path / "site" / "tqfakepkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("X = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("Y = 2\n")
+    assert compileall.compile_dir(str(pkg), quiet=1)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    found = readahead.bytecode_files(["tqfakepkg", "no_such_package_here"])
+    tag = sys.implementation.cache_tag
+    assert sorted(p.relative_to(pkg).as_posix() for p in found) == [
+        f"__pycache__/__init__.{tag}.pyc",
+        f"sub/__pycache__/__init__.{tag}.pyc",
+    ]
+    assert "tqfakepkg" not in sys.modules  # found, not imported
+    cache = tmp_path / "cache"
+    (cache / "triton" / "ab").mkdir(parents=True)
+    (cache / "triton" / "ab" / "kernel.cubin").write_bytes(b"x")
+    files = readahead.start_files(cache)
+    kernel = files.index(cache / "triton" / "ab" / "kernel.cubin")
+    libraries = readahead.library_files()
+    assert files[kernel + 1 :] == libraries
+    assert all(p.suffix == ".pyc" for p in files[:kernel])
+    assert readahead.start_files(None) == [*readahead.bytecode_files(), *libraries]
