@@ -152,7 +152,7 @@ def test_same_shape_update_loads_in_place_other_shapes_rebuild(
     # the checkpoint's shards were read into the page cache from the process's start
     [fetched] = [e for e in _events(proc) if e["event"] == "checkpoint.prefetched"]
     assert fetched["of_bytes"] == sum(f.stat().st_size for f in Path(a).glob("*.safetensors"))
-    assert fetched["failed_chunks"] == 0 and 0 < fetched["bytes"] <= fetched["of_bytes"]
+    assert fetched["failed_chunks"] == 0 and 0 <= fetched["bytes"] <= fetched["of_bytes"]
     assert fetched["bytes"] == fetched["of_bytes"] or not fetched["finished_before_load"]
     # warmed up on a shell of zero weights, then loaded in place: the results above are a's
     [warmed] = [e for e in _events(proc) if e["event"] == "consumer.warmed_up"]
