@@ -76,7 +76,7 @@ def main() -> int:
                 raise UnsafeRedis(verdict)
         # The checkpoint's bytes, read from disk once torch and megatron are imported.
         prefetch = checkpoint_prefetch.start(
-            prefetch_path(settings, client),
+            prefetch_path(settings, client) if settings.model.prefetch else None,
             enabled=settings.model.prefetch,
             first=lambda: readahead.start_files(cache.path),
             begin=False,
