@@ -6,7 +6,8 @@ with each --threads value (0: the copy's page faults read the file, as before
 `consumer/checkpoints/parallel_read.py`), side by side, the order rotated every repeat. Before
 each cold load the checkpoint's pages are evicted from the page cache (fsync, then
 POSIX_FADV_DONTNEED: no root needed); a warm load (pages cached) follows each, to show the
-read-ahead costs nothing there.
+read-ahead costs nothing there. A `d` variant (`--threads d8`) reads straight into staging
+buffers with O_DIRECT, past the page cache: its "warm" load reads the disk again.
 
     python bench/checkpoint_read.py --model 1.5b --layers 12      # CPU: ~1.6 GB
     python bench/checkpoint_read.py --model 7b --device cuda      # GPU: 15 GB
@@ -35,7 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="cut the model to this many layers")
     p.add_argument("--work", type=Path, default=Path("/tmp/teacherq-checkpoint-read"))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", default="0,4,8,16", help="comma-separated read threads")
+    p.add_argument(
+        "--threads",
+        default="0,4,8,16",
+        help="comma-separated read threads; d8 is 8 threads reading straight into staging "
+        "buffers (consumer/checkpoints/direct_read.py) instead of the page cache",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     return p.parse_args(argv)
@@ -85,14 +91,16 @@ def main(argv: list[str] | None = None) -> dict:
         spec, layout, params_dtype=torch.bfloat16, device=device, init_weights=False
     )
 
-    def load(threads: int) -> float:
+    def load(variant: str) -> float:
         start = time.perf_counter()
-        load_hf_weights(model, spec, path, layout, read_threads=threads)
+        direct = variant.startswith("d")
+        threads = int(variant.removeprefix("d"))
+        load_hf_weights(model, spec, path, layout, read_threads=threads, read_direct=direct)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    threads = [int(t) for t in args.threads.split(",")]
+    threads = args.threads.split(",")
     runs: list[dict] = []
     for repeat in range(args.repeats):
         order = threads[repeat % len(threads) :] + threads[: repeat % len(threads)]
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             warm = load(t)
             runs.append({"threads": t, "cold_s": cold, "warm_s": warm})
             print(
-                f"threads {t:2d}: cold {cold:6.2f} s ({size / cold / 1e9:5.2f} GB/s), "
+                f"threads {t:>3}: cold {cold:6.2f} s ({size / cold / 1e9:5.2f} GB/s), "
                 f"warm {warm:6.2f} s ({size / warm / 1e9:5.2f} GB/s)",
                 flush=True,
             )
@@ -115,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{args.model}, {len(files)} file(s), {size / 1e9:.2f} GB, device {device}, medians:")
     for t, row in summary.items():
         print(
-            f"  threads {t:2d}: cold {row['cold_s']:6.2f} s ({row['cold_gb_s']:5.2f} GB/s, "
+            f"  threads {t:>3}: cold {row['cold_s']:6.2f} s ({row['cold_gb_s']:5.2f} GB/s, "
             f"{base['cold_s'] / row['cold_s']:4.2f}x threads {threads[0]}), "
             f"warm {row['warm_s']:6.2f} s ({base['warm_s'] / row['warm_s']:4.2f}x)"
         )

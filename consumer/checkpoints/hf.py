@@ -38,6 +38,7 @@ import structlog
 import torch
 
 from consumer.checkpoints import hf_fp8, hf_mla, hf_moe
+from consumer.checkpoints.direct_read import DirectStage
 from consumer.checkpoints.hf_config import (
     SUPPORTED_FAMILIES,
     moe_reason,
@@ -46,7 +47,7 @@ from consumer.checkpoints.hf_config import (
 )
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.parallel_read import THREADS as READ_THREADS
-from consumer.checkpoints.parallel_read import read_ahead
+from consumer.checkpoints.parallel_read import read_ahead, read_plan
 from consumer.checkpoints.validate import CheckpointError, inventory_problems, raise_problems
 from consumer.forward.load_phases import phase
 from consumer.forward.model import ModelSpec, TeacherGPTModel, build_model, stage_layers
@@ -302,13 +303,15 @@ def load_hf_weights(
     *,
     fp8: str = "auto",
     read_threads: int = READ_THREADS,
+    read_direct: bool = False,
 ) -> None:
     """Overwrite every parameter of this rank's `model` with its shard from `checkpoint`.
 
     `model` must have been built from `spec` at `layout`; an FP8 checkpoint is dequantized
     to the model's dtype, or its linears and experts held in FP8 where FP8 GEMMs run (`fp8`:
     the `model.fp8` setting). `read_threads` threads read the shards' bytes from disk ahead
-    of the copy (`parallel_read`; 0: the copy's page faults read them). Raises
+    of the copy (`parallel_read`; 0: the copy's page faults read them); `read_direct`: they
+    read the bytes into staging buffers instead, bypassing the page cache (`direct_read`). Raises
     `CheckpointError` if a shard does not fit its parameter, and RuntimeError if a parameter
     would be left unloaded.
     """
@@ -328,12 +331,19 @@ def load_hf_weights(
         # the model was built from a different spec than the readers describe
         raise RuntimeError(f"parameter mismatch: no reader for {unloaded}, no parameter {unknown}")
     loads = [(name, read) for name, read in readers.items() if name not in in_fp8]
-    writer = ParamWriter(next(iter(params.values())).device)
-    ahead = read_ahead(ckpt, [read for _, read in loads], threads=read_threads)
+    device = next(iter(params.values())).device
+    writer = ParamWriter(device)
+    plan = read_plan(ckpt, [read for _, read in loads]) if read_threads > 0 else []
+    stage = (
+        DirectStage(ckpt, plan, pinned=device.type == "cuda", threads=read_threads)
+        if read_direct and read_threads > 0
+        else None
+    )
+    ahead = (stage or read_ahead(ckpt, plan, threads=read_threads)).start()
     try:
         for i, (name, read) in enumerate(loads):
             with phase("read"):
-                shard = read(ckpt)
+                shard = read(stage.view(i) if stage else ckpt)
             param = params[name]
             if tuple(shard.shape) != tuple(param.shape):
                 raise CheckpointError(
@@ -342,6 +352,7 @@ def load_hf_weights(
                 )
             with phase("copy"):
                 writer.write(param, shard)  # the map's pages are read here
+            del shard  # (a view of a staging buffer, which `advance` hands back)
             ahead.advance(i)
     finally:
         ahead.close()

@@ -90,15 +90,13 @@ def read_plan(
     return plan
 
 
-def read_ahead(
-    ckpt: HfCheckpoint, readers: Iterable[Callable[[HfCheckpoint], object]], *, threads: int
-) -> ReadAhead:
-    """A started `ReadAhead` over what `readers` will read of `ckpt`, populating `ckpt`'s own
-    memory maps (the ones the loader's views come from); none at `threads` = 0."""
-    plan = read_plan(ckpt, readers) if threads > 0 else []
+def read_ahead(ckpt: HfCheckpoint, plan: Sequence[Sequence[Span]], *, threads: int) -> ReadAhead:
+    """A `ReadAhead` over `plan` (what the loader will read of `ckpt`: `read_plan`),
+    populating `ckpt`'s own memory maps (the ones the loader's views come from); none at
+    `threads` = 0."""
     files = {span.path for spans in plan for span in spans}
     maps = {file: ckpt.mapping(file)[0] for file in files}
-    return ReadAhead(plan, maps=maps, threads=threads).start()
+    return ReadAhead(plan if threads > 0 else [], maps=maps, threads=threads)
 
 
 class ReadAhead:

@@ -21,12 +21,18 @@ class ParamWriter:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
+        self._device = device
+        self._direct = False  # a copy went straight from pinned memory (`finish` waits)
 
     @torch.no_grad()
     def write(self, param: torch.Tensor, host: torch.Tensor) -> None:
         """Overwrite `param` with `host` (same shape; cast to the parameter's dtype)."""
         if not self.cuda or host.device.type != "cpu":
             param.copy_(host)
+            return
+        if host.is_pinned():  # staged already (`direct_read`); torch's host allocator keeps
+            param.copy_(host, non_blocking=True)  # its block until this copy is done
+            self._direct = True
             return
         i, self._next = self._next, self._next ^ 1
         event = self._events[i]
@@ -48,5 +54,7 @@ class ParamWriter:
         for event in self._events:
             if event is not None:
                 event.synchronize()
+        if self._direct:
+            torch.cuda.current_stream(self._device).synchronize()
         self._buffers = [None, None]
         self._events = [None, None]

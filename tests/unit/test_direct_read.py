@@ -1,0 +1,123 @@
+"""Checkpoint bytes read straight into staging buffers (consumer/checkpoints/direct_read.py):
+every reader reads through a group's view exactly what it reads from the memory map, the
+tensors it takes whole or by leading slices come out of the staging buffer (not the map), the
+window bounds what is staged, and a group whose read fails is read from the map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
+from consumer.checkpoints.direct_read import DirectStage
+from consumer.checkpoints.hf import hf_shard_readers, load_hf_weights
+from consumer.checkpoints.parallel_read import Span, read_plan
+from consumer.forward.model import build_model
+from tests.fp8_reference import write_fp8_pair
+from tests.timing import wait_until
+from tests.unit.test_parallel_read import FAMILIES, MIB, _groups, _layout
+
+
+def _inside(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= t.data_ptr() < start + buffer.numel()
+
+
+@pytest.mark.parametrize(
+    "family, fp8, tp, ep, rank",
+    [
+        ("qwen2", False, 1, 1, 0),
+        ("qwen2", False, 2, 1, 1),
+        ("qwen3_moe", False, 1, 2, 1),
+        ("deepseek_v3", False, 2, 1, 0),
+        ("deepseek_v3", True, 2, 1, 1),
+    ],
+)
+def test_staged_reads_are_the_maps_and_come_from_the_buffer(
+    hf_checkpoint, tmp_path, family, fp8, tp, ep, rank
+):
+    path = hf_checkpoint(family, f"read-plan-{family}", seed=5, vocab_size=300, **FAMILIES[family])
+    if fp8:
+        path, _ = write_fp8_pair(path, tmp_path / "fp8", [8, 8])
+    ckpt = HfCheckpoint(path)
+    readers = hf_shard_readers(spec_from_hf_config(ckpt.config), _layout(tp, rank, ep))
+    plan = read_plan(ckpt, readers.values())
+    staged = 0
+    # a chunk smaller than most tensors, so groups are read by several threads
+    with DirectStage(ckpt, plan, pinned=False, threads=3, chunk=8192) as stage:
+        for i, (name, read) in enumerate(readers.items()):
+            view = stage.view(i)
+            got = read(view)
+            assert torch.equal(got, read(ckpt)), name
+            buffer = stage._groups[i].buffer
+            staged += buffer is not None and _inside(got, buffer)
+            stage.advance(i)
+    assert stage.direct, "ext4 takes O_DIRECT: the test must exercise it"
+    # tensors read whole or by rows are views of the buffer; concatenations (fused QKV,
+    # gate/up) and FP8 dequantization make new tensors
+    assert staged >= len(readers) // 4, f"only {staged} of {len(readers)} reads were staged"
+
+
+def test_a_load_through_the_stage_equals_the_maps(hf_checkpoint, layout):
+    path = hf_checkpoint("qwen2", "read-plan-qwen2", seed=5, vocab_size=300)
+    spec = spec_from_hf_config(HfCheckpoint(path).config)
+    loaded = []
+    for direct in (False, True):
+        model = build_model(spec, layout)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        load_hf_weights(model, spec, path, layout, read_threads=2, read_direct=direct)
+        loaded.append(dict(model.named_parameters()))
+    for name, param in loaded[0].items():
+        assert torch.equal(loaded[1][name], param), name
+
+
+def test_staged_bytes_stay_inside_the_window(tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(bytes(range(256)) * (10 * MIB // 256))
+    ckpt_like = _FileOnly()
+    stage = DirectStage(ckpt_like, _groups(data), pinned=False, threads=4, window=2 * MIB,
+                        chunk=MIB // 4)  # fmt: skip
+    with stage:
+        wait_until(lambda: stage.bytes_read == 2 * MIB, "two groups staged")
+        assert stage._outstanding == 2 * MIB and stage.bytes_read == 2 * MIB
+        stage.view(0)
+        stage.advance(0)  # the loader is done with group 0: room for one more
+        wait_until(lambda: stage.bytes_read == 3 * MIB, "a third group staged")
+        assert stage._outstanding == 2 * MIB
+        buffer = stage._groups[1].buffer
+        assert buffer is not None
+        assert bytes(buffer[:256].tolist()) == bytes(range(256)), "the file's bytes, in place"
+
+
+def test_a_group_larger_than_the_window_is_read_alone(tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x01" * (4 * MIB))
+    plan = [[Span(data, 0, 3 * MIB)], [Span(data, 3 * MIB, 4 * MIB)]]
+    with DirectStage(_FileOnly(), plan, pinned=False, threads=2, window=MIB, chunk=MIB) as stage:
+        stage.view(0)
+        assert stage._groups[0].left == 0 and stage.bytes_read >= 3 * MIB
+        stage.advance(0)
+        stage.view(1)
+        assert stage.bytes_read == 4 * MIB
+
+
+def test_a_group_whose_read_fails_is_read_from_the_map(tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x02" * MIB)
+    plan = [[Span(tmp_path / "gone.bin", 0, MIB)], [Span(data, 0, MIB)]]
+    with DirectStage(_FileOnly(), plan, pinned=False, threads=1, chunk=MIB) as stage:
+        assert stage.view(0)._group is None, "the failed group falls back to the map"
+        stage.advance(0)
+        assert stage.view(1)._group is not None
+    assert stage.bytes_read == MIB
+
+
+class _FileOnly(HfCheckpoint):
+    """A stand-in checkpoint for stages over plain files (the views are not read)."""
+
+    def __init__(self) -> None:
+        self.path = Path("/nonexistent")
