@@ -28,7 +28,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from consumer.checkpoints import hf_fp8
+from consumer.checkpoints import hf_fp8, page_cache
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.parallel_read import CHUNK, THREADS, Span, default_window
 
@@ -36,6 +36,21 @@ log = structlog.get_logger(__name__)
 
 ALIGN = 4096
 """`O_DIRECT`'s alignment of file offsets, lengths and memory on the filesystems seen here."""
+MEASURED_ON = frozenset({"cpu"})
+"""Devices whose loads `choose` sends through a stage: where it was measured faster from a
+cold page cache (docs/benchmarks.md, "Checkpoint reads"); cuda joins once measured there."""
+COLD_BELOW = 0.5
+"""A checkpoint with less than this share of its planned bytes in the page cache is read
+past it (a warm one is copied out of the cache, which is faster than any disk)."""
+
+
+def choose(plan: Sequence[Sequence[Span]], device: torch.device) -> bool:
+    """Whether a load of `plan` onto `device` should read through a `DirectStage`: on a
+    device where that was measured faster, when the page cache holds little of the plan."""
+    if device.type not in MEASURED_ON:
+        return False
+    share = page_cache.cached_share((s.path, s.start, s.end) for spans in plan for s in spans)
+    return share is not None and share < COLD_BELOW
 
 
 @dataclass

@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from consumer.checkpoints import hf_fp8, hf_mla, hf_moe
+from consumer.checkpoints import direct_read, hf_fp8, hf_mla, hf_moe
 from consumer.checkpoints.direct_read import DirectStage
 from consumer.checkpoints.hf_config import (
     SUPPORTED_FAMILIES,
@@ -303,7 +303,7 @@ def load_hf_weights(
     *,
     fp8: str = "auto",
     read_threads: int = READ_THREADS,
-    read_direct: bool = False,
+    read_direct: bool | None = None,
 ) -> None:
     """Overwrite every parameter of this rank's `model` with its shard from `checkpoint`.
 
@@ -311,7 +311,8 @@ def load_hf_weights(
     to the model's dtype, or its linears and experts held in FP8 where FP8 GEMMs run (`fp8`:
     the `model.fp8` setting). `read_threads` threads read the shards' bytes from disk ahead
     of the copy (`parallel_read`; 0: the copy's page faults read them); `read_direct`: they
-    read the bytes into staging buffers instead, bypassing the page cache (`direct_read`). Raises
+    read the bytes into staging buffers instead, past the page cache (`direct_read`; None:
+    where `direct_read.choose` says, for a cold checkpoint). Raises
     `CheckpointError` if a shard does not fit its parameter, and RuntimeError if a parameter
     would be left unloaded.
     """
@@ -334,6 +335,8 @@ def load_hf_weights(
     device = next(iter(params.values())).device
     writer = ParamWriter(device)
     plan = read_plan(ckpt, [read for _, read in loads]) if read_threads > 0 else []
+    if read_direct is None:
+        read_direct = direct_read.choose(plan, device)
     stage = (
         DirectStage(ckpt, plan, pinned=device.type == "cuda", threads=read_threads)
         if read_direct and read_threads > 0

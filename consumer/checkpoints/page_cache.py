@@ -47,6 +47,38 @@ def pread_range(fd: int, start: int, end: int, buffer: bytearray) -> int:
     return done
 
 
+def cached_share(spans: Iterable[tuple[Path, int, int]], samples: int = 64) -> float | None:
+    """The share of `samples` pages, spread evenly over the bytes of `spans` ((file, start,
+    end)), that the page cache holds; None where it cannot be told (no `RWF_NOWAIT`). A probe
+    that misses starts reading its page, so the answer costs a few reads."""
+    spans = [s for s in spans if s[2] > s[1]]
+    total = sum(end - start for _, start, end in spans)
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if not total or nowait is None:
+        return None
+    step = max(1, total // samples)
+    hits = probes = 0
+    fds: dict[Path, int] = {}
+    probe = bytearray(1)
+    try:
+        offset = 0
+        for path, start, end in spans:
+            for at in range(start + (-offset) % step, end, step):
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                probes += 1
+                with contextlib.suppress(BlockingIOError):
+                    hits += os.preadv(fd, [probe], at, nowait) == 1
+            offset += end - start
+    except OSError:  # EOPNOTSUPP (a filesystem without it), a file gone
+        return None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return hits / probes if probes else None
+
+
 def available_memory() -> int | None:
     """Bytes of memory this process can still fill without evicting what others use: the
     kernel's MemAvailable, or less where a cgroup (a container's limit) leaves less; None

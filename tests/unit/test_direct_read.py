@@ -1,18 +1,21 @@
 """Checkpoint bytes read straight into staging buffers (consumer/checkpoints/direct_read.py):
 every reader reads through a group's view exactly what it reads from the memory map, the
 tensors it takes whole or by leading slices come out of the staging buffer (not the map), the
-window bounds what is staged, and a group whose read fails is read from the map."""
+window bounds what is staged, a group whose read fails is read from the map, and a load takes
+the stage only for a checkpoint the page cache does not hold."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
-from consumer.checkpoints.direct_read import DirectStage
+from consumer.checkpoints.direct_read import DirectStage, choose
 from consumer.checkpoints.hf import hf_shard_readers, load_hf_weights
+from consumer.checkpoints.page_cache import cached_share, evict
 from consumer.checkpoints.parallel_read import Span, read_plan
 from consumer.forward.model import build_model
 from tests.fp8_reference import write_fp8_pair
@@ -121,3 +124,33 @@ class _FileOnly(HfCheckpoint):
 
     def __init__(self) -> None:
         self.path = Path("/nonexistent")
+
+
+def test_the_page_cache_share_is_read_off_the_cache(tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x03" * (4 * MIB))
+    spans = [(data, 0, 4 * MIB)]
+    evict([data])
+    assert cached_share(spans) == 0.0
+    data.read_bytes()
+    assert cached_share(spans) == 1.0
+    evict([data])
+    fd = os.open(data, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the half read
+    os.pread(fd, 2 * MIB, 0)
+    os.close(fd)
+    assert 0.3 < (cached_share(spans, samples=128) or 0) < 0.7, "half of it read back"
+
+
+def test_a_cold_checkpoint_is_read_past_the_cache_where_measured(hf_checkpoint):
+    path = hf_checkpoint("qwen2", "read-plan-qwen2", seed=5, vocab_size=300)
+    ckpt = HfCheckpoint(path)
+    readers = hf_shard_readers(spec_from_hf_config(ckpt.config), _layout(1, 0))
+    plan = read_plan(ckpt, readers.values())
+    files = sorted(Path(path).glob("*.safetensors"))
+    evict(files)
+    assert choose(plan, torch.device("cpu")), "cold, on a device where it was measured"
+    assert not choose(plan, torch.device("cuda")), "not measured on a GPU yet"
+    for file in files:
+        file.read_bytes()
+    assert not choose(plan, torch.device("cpu")), "warm: the cache is faster than the disk"
