@@ -118,28 +118,28 @@ def _fds(work: list, flags: int) -> dict[Path, int]:
     return {path: os.open(path, os.O_RDONLY | flags) for path in {c[0] for c in work}}
 
 
-def method_pread(work: list, threads: int, size: int, _device) -> int:
-    fds = _fds(work, 0)
-    buffers = [bytearray(size) for _ in range(threads)]
-    try:
-        return run_threads(
-            work, threads, lambda i, c: page_cache.pread_range(fds[c[0]], c[1], c[2], buffers[i])
-        )
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+def _method_pread(flags: int, buffer: Callable[[int], object]) -> Callable:
+    """`preadv` of each chunk into a buffer of the thread's own, the files opened with
+    `flags`."""
+
+    def method(work: list, threads: int, size: int, _device) -> int:
+        fds = _fds(work, flags)
+        buffers = [buffer(size) for _ in range(threads)]
+        try:
+            return run_threads(
+                work,
+                threads,
+                lambda i, c: page_cache.pread_range(fds[c[0]], c[1], c[2], buffers[i]),
+            )
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    return method
 
 
-def method_direct(work: list, threads: int, size: int, _device) -> int:
-    fds = _fds(work, os.O_DIRECT)
-    buffers = [mmap.mmap(-1, size) for _ in range(threads)]  # page-aligned
-    try:
-        return run_threads(
-            work, threads, lambda i, c: page_cache.pread_range(fds[c[0]], c[1], c[2], buffers[i])
-        )
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+method_pread = _method_pread(0, bytearray)
+method_direct = _method_pread(os.O_DIRECT, lambda size: mmap.mmap(-1, size))  # page-aligned
 
 
 def method_direct_pinned(work: list, threads: int, size: int, device) -> int:

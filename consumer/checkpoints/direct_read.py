@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -30,7 +29,14 @@ import torch
 
 from consumer.checkpoints import hf_fp8, page_cache
 from consumer.checkpoints.hf_files import HfCheckpoint
-from consumer.checkpoints.parallel_read import CHUNK, THREADS, Span, default_window
+from consumer.checkpoints.parallel_read import (
+    CHUNK,
+    THREADS,
+    ReaderThreads,
+    Span,
+    Verdict,
+    default_window,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +66,6 @@ class _Group:
     buffer: torch.Tensor | None = None
     left: int = 0  # chunks still to read
     failed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class _Chunk:
     at: int  # offset in the group's buffer
 
 
-class DirectStage:
+class DirectStage(ReaderThreads):
     """Reads `plan`'s groups into staging buffers on `threads` threads (see the module doc);
     `start` begins, `view(i)` waits for group i, `advance(i)` frees it, `close` ends."""
 
@@ -90,7 +95,7 @@ class DirectStage:
         self.pinned = pinned
         self.window = window if window is not None else default_window()
         self._groups: list[_Group] = []
-        self._chunks: list[_Chunk] = []
+        chunks: list[_Chunk] = []
         for g, spans in enumerate(plan):
             placed, at = [], 0
             for span in spans:
@@ -99,28 +104,19 @@ class DirectStage:
                 placed.append((span, start, at))
                 for a in range(start, end, chunk):
                     piece = _Chunk(g, span.path, a, min(end, a + chunk), at + a - start)
-                    self._chunks.append(piece)
+                    chunks.append(piece)
                 at += end - start
             self._groups.append(_Group(placed, at, left=0))
-        for c in self._chunks:
+        for c in chunks:
             self._groups[c.group].left += 1
-        self.threads = threads if self._chunks else 0
+        self._init_threads(threads, chunks)
         self.bytes_read = 0
         self.direct = True  # False once a file refused O_DIRECT
-        self._next = 0  # the next chunk to hand out
         self._outstanding = 0  # bytes of buffers made and not released
         self._released = -1  # groups released so far (the loader's position)
-        self._closed = False
-        self._cond = threading.Condition()
-        self._workers: list[threading.Thread] = []
         self._fds: dict[Path, int] = {}
 
-    def start(self) -> DirectStage:
-        for i in range(self.threads):
-            worker = threading.Thread(target=self._work, name=f"tq-direct-read-{i}", daemon=True)
-            worker.start()
-            self._workers.append(worker)
-        return self
+    _name = "tq-direct-read"
 
     def view(self, i: int) -> HfCheckpoint:
         """The checkpoint for reading group i: its staged bytes from the buffer (waited for),
@@ -144,12 +140,7 @@ class DirectStage:
             self._cond.notify_all()
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        for worker in self._workers:
-            worker.join()
-        self._workers = []
+        super().close()
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
@@ -159,30 +150,17 @@ class DirectStage:
             with contextlib.suppress(AttributeError, RuntimeError):
                 torch._C._host_emptyCache()
 
-    def __enter__(self) -> DirectStage:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _take(self) -> _Chunk | None:
-        """The next chunk, its group's buffer made first (waiting while the window is full)."""
-        with self._cond:
-            while True:
-                if self._closed or self._next >= len(self._chunks):
-                    return None
-                chunk = self._chunks[self._next]
-                group = self._groups[chunk.group]
-                if group.buffer is not None or group.failed:
-                    self._next += 1
-                    return chunk
-                first_pending = chunk.group == self._released + 1
-                if first_pending or self._outstanding + group.nbytes <= self.window:
-                    self._outstanding += group.nbytes
-                    group.buffer = _buffer(group.nbytes, self.pinned)
-                    self._next += 1
-                    return chunk
-                self._cond.wait()
+    def _admit(self, chunk: _Chunk) -> Verdict:
+        """Take a chunk of a group that has its buffer; make the buffer of the next group
+        while the window has room for it (or the loader waits for that group)."""
+        group = self._groups[chunk.group]
+        if group.buffer is not None or group.failed:
+            return "take"
+        if chunk.group == self._released + 1 or self._outstanding + group.nbytes <= self.window:
+            self._outstanding += group.nbytes
+            group.buffer = _buffer(group.nbytes, self.pinned)
+            return "take"
+        return "wait"
 
     def _fd(self, path: Path) -> int:
         with self._cond:

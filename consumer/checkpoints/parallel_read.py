@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, Self
 
 import structlog
 import torch
@@ -99,7 +100,80 @@ def read_ahead(ckpt: HfCheckpoint, plan: Sequence[Sequence[Span]], *, threads: i
     return ReadAhead(plan if threads > 0 else [], maps=maps, threads=threads)
 
 
-class ReadAhead:
+Verdict = Literal["take", "skip", "wait"]
+
+
+class ReaderThreads:
+    """`threads` daemon threads working through `_chunks` in order: each runs `_work`, which
+    asks `_take` for the next chunk that `_admit` lets through. `start` begins them, `close`
+    sets `_closed`, wakes whoever waits on `_cond` and joins them. Subclasses call
+    `_init_threads` in `__init__` and write `_admit` and `_work`."""
+
+    threads: int
+    waiting: int
+    """Threads waiting for `_admit` to let the next chunk through."""
+    _chunks: Sequence[Any]
+    _next: int
+    _closed: bool
+    _cond: threading.Condition
+    _workers: list[threading.Thread]
+    _name = "tq-read"
+
+    def _init_threads(self, threads: int, chunks: Sequence[Any]) -> None:
+        self._chunks = chunks
+        self.threads = threads if chunks else 0
+        self.waiting = 0
+        self._next = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._workers = []
+
+    def _admit(self, chunk: Any) -> Verdict:
+        """Whether `chunk` is read now, skipped, or waited for (called holding `_cond`)."""
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _take(self) -> Any:
+        """The next chunk `_admit` takes, waiting while it says wait; None at the end."""
+        with self._cond:
+            while not self._closed and self._next < len(self._chunks):
+                chunk = self._chunks[self._next]
+                verdict = self._admit(chunk)
+                if verdict == "wait":
+                    self.waiting += 1
+                    self._cond.wait()
+                    self.waiting -= 1
+                    continue
+                self._next += 1
+                if verdict == "take":
+                    return chunk
+            return None
+
+    def start(self) -> Self:
+        for i in range(self.threads):
+            worker = threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ReadAhead(ReaderThreads):
     """Brings in `plan`'s spans on `threads` threads, at most `window` bytes ahead of the
     loader (see the module doc): populating `maps[path]` (the loader's memory map of that file)
     where given, else reading the file. Call `advance(i)` when the loader has read group i,
@@ -115,31 +189,19 @@ class ReadAhead:
         window: int | None = None,
         chunk: int = CHUNK,
     ) -> None:
-        self._chunks = list(_chunks(plan, chunk))
         self._ends = _group_ends(plan)  # bytes of the plan up to the end of each group
         self.window = window if window is not None else default_window()
-        self.threads = threads if self._chunks else 0
+        self._init_threads(threads, list(_chunks(plan, chunk)))
         self.maps = dict(maps or {})
         self.bytes_read = 0
         """Bytes brought in (populated or read; those cached already included)."""
         self.failed = 0
         """Chunks whose read failed (left to the loader)."""
-        self.waiting = 0
-        """Threads waiting for the loader to advance (the window is full)."""
-        self._next = 0
         self._done_group = -1
         self._consumed = 0
-        self._closed = False
-        self._cond = threading.Condition()
-        self._workers: list[threading.Thread] = []
         self._chunk = chunk
 
-    def start(self) -> ReadAhead:
-        for i in range(self.threads):
-            worker = threading.Thread(target=self._work, name=f"tq-read-ahead-{i}", daemon=True)
-            worker.start()
-            self._workers.append(worker)
-        return self
+    _name = "tq-read-ahead"
 
     def advance(self, group: int) -> None:
         """The loader has read group `group` (and all before it)."""
@@ -148,36 +210,10 @@ class ReadAhead:
             self._consumed = self._ends[group] if self._ends else 0
             self._cond.notify_all()
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        for worker in self._workers:
-            worker.join()
-        self._workers = []
-
-    def __enter__(self) -> ReadAhead:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _take(self) -> _Chunk | None:
-        """The next chunk to read, waiting while it lies beyond the window; None at the end."""
-        with self._cond:
-            while True:
-                if self._closed or self._next >= len(self._chunks):
-                    return None
-                chunk = self._chunks[self._next]
-                if chunk.group <= self._done_group:  # the loader is past it
-                    self._next += 1
-                    continue
-                if chunk.offset - self._consumed < self.window:
-                    self._next += 1
-                    return chunk
-                self.waiting += 1
-                self._cond.wait()
-                self.waiting -= 1
+    def _admit(self, chunk: _Chunk) -> Verdict:
+        if chunk.group <= self._done_group:
+            return "skip"  # the loader is past it
+        return "take" if chunk.offset - self._consumed < self.window else "wait"
 
     def _work(self) -> None:
         buffer: bytearray | None = None  # for pread, made at its first use

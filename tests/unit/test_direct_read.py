@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
@@ -18,9 +17,8 @@ from consumer.checkpoints.hf import hf_shard_readers, load_hf_weights
 from consumer.checkpoints.page_cache import cached_share, evict
 from consumer.checkpoints.parallel_read import Span, read_plan
 from consumer.forward.model import build_model
-from tests.fp8_reference import write_fp8_pair
 from tests.timing import wait_until
-from tests.unit.test_parallel_read import FAMILIES, MIB, _groups, _layout
+from tests.unit.test_parallel_read import MIB, PLAN_CASES, _groups, _layout, plan_case
 
 
 def _inside(t: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -28,25 +26,11 @@ def _inside(t: torch.Tensor, buffer: torch.Tensor) -> bool:
     return start <= t.data_ptr() < start + buffer.numel()
 
 
-@pytest.mark.parametrize(
-    "family, fp8, tp, ep, rank",
-    [
-        ("qwen2", False, 1, 1, 0),
-        ("qwen2", False, 2, 1, 1),
-        ("qwen3_moe", False, 1, 2, 1),
-        ("deepseek_v3", False, 2, 1, 0),
-        ("deepseek_v3", True, 2, 1, 1),
-    ],
-)
+@PLAN_CASES
 def test_staged_reads_are_the_maps_and_come_from_the_buffer(
     hf_checkpoint, tmp_path, family, fp8, tp, ep, rank
 ):
-    path = hf_checkpoint(family, f"read-plan-{family}", seed=5, vocab_size=300, **FAMILIES[family])
-    if fp8:
-        path, _ = write_fp8_pair(path, tmp_path / "fp8", [8, 8])
-    ckpt = HfCheckpoint(path)
-    readers = hf_shard_readers(spec_from_hf_config(ckpt.config), _layout(tp, rank, ep))
-    plan = read_plan(ckpt, readers.values())
+    _, ckpt, readers, plan = plan_case(hf_checkpoint, tmp_path, family, fp8, tp, ep, rank)
     staged = 0
     # a chunk smaller than most tensors, so groups are read by several threads
     with DirectStage(ckpt, plan, pinned=False, threads=3, chunk=8192) as stage:

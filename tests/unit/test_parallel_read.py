@@ -62,7 +62,7 @@ def _read_all(ckpt: HfCheckpoint, readers: dict) -> dict[str, torch.Tensor]:
     return {name: read(ckpt).clone() for name, read in readers.items()}
 
 
-@pytest.mark.parametrize(
+PLAN_CASES = pytest.mark.parametrize(
     "family, fp8, tp, ep, rank",
     [
         ("qwen2", False, 1, 1, 0),
@@ -73,15 +73,25 @@ def _read_all(ckpt: HfCheckpoint, readers: dict) -> dict[str, torch.Tensor]:
         ("deepseek_v3", True, 2, 1, 1),
     ],
 )
-def test_plan_covers_every_byte_the_readers_read(
-    hf_checkpoint, tmp_path, family, fp8, tp, ep, rank
-):
+"""Families, FP8 or not, and the rank of a split: every reader the loader has."""
+
+
+def plan_case(hf_checkpoint, tmp_path: Path, family: str, fp8: bool, tp: int, ep: int,
+              rank: int) -> tuple[Path, HfCheckpoint, dict, list[list[Span]]]:  # fmt: skip
+    """A `PLAN_CASES` case's checkpoint, rank's readers and their read plan."""
     path = hf_checkpoint(family, f"read-plan-{family}", seed=5, vocab_size=300, **FAMILIES[family])
     if fp8:
         path, _ = write_fp8_pair(path, tmp_path / "fp8", [8, 8])
     ckpt = HfCheckpoint(path)
     readers = hf_shard_readers(spec_from_hf_config(ckpt.config), _layout(tp, rank, ep))
-    plan = read_plan(ckpt, readers.values())
+    return Path(path), ckpt, readers, read_plan(ckpt, readers.values())
+
+
+@PLAN_CASES
+def test_plan_covers_every_byte_the_readers_read(
+    hf_checkpoint, tmp_path, family, fp8, tp, ep, rank
+):
+    path, ckpt, readers, plan = plan_case(hf_checkpoint, tmp_path, family, fp8, tp, ep, rank)
     assert len(plan) == len(readers) and all(plan), "every reader reads something"
 
     garbled = HfCheckpoint(_garbled_outside(plan, Path(path), tmp_path / "garbled"))
