@@ -63,7 +63,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # A GPU host without network (torch and Triton already there) gets the rest as wheels: this
-# downloads them for CPython 3.12 into .whl/; there, `pip install --no-index --no-deps .whl/*.whl`
+# downloads them for CPython 3.12 into .whl/; there, `python -m pip install --no-index --no-deps .whl/*.whl`
 # (docs/development.md, "GPU runs"). GPU_PYTHON picks another interpreter version.
 GPU_PYTHON ?= 3.12
 GPU_ABI := cp$(subst .,,$(GPU_PYTHON))
