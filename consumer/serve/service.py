@@ -389,17 +389,21 @@ def run(
             control_cursor = last_control_id(client, settings.queue.name)
             choice = weights.start_choice(weights.current(client, settings.queue.name))
         clock.lap("setup")
-        compiled_before = compiled_kernels(compile_cache)
 
         def warm(fresh: Scorer) -> dict:
             """Wait for the precompile workers, then warm `fresh` up (phases compile and
-            warmup of the start)."""
+            warmup of the start). Counts the kernels the warm-up compiled itself: 0 when the
+            cache or the workers had them (counted after the workers, whose kernels land in
+            the same cache)."""
             with phase("compile"):
                 precompiled = (
                     precompile.wait(settings.consumer.precompile_timeout_s) if precompile else None
                 )
             with phase("warmup"):
-                return {"precompile": precompiled or {}, **warmup(fresh, settings)}
+                before = compiled_kernels(compile_cache)
+                done = warmup(fresh, settings)
+                compiled = compiled_kernels(compile_cache) - before
+                return {"precompile": precompiled or {}, **done, "compiled_in_warmup": compiled}
 
         with recording() as load_phases:
             # Warm up first only while the prefetch reads the checkpoint: otherwise the load
@@ -421,8 +425,6 @@ def run(
             "consumer.warmed_up",
             compile_caches=compile_cache.variables if compile_cache else {},
             compile_cache=compile_cache.describe() if compile_cache else {},
-            # Kernels the warm-up compiled itself: 0 when the cache or the precompile had them.
-            compiled_in_warmup=compiled_kernels(compile_cache) - compiled_before,
             sealed_files=sealed,
             before_load=before_load,
             **warmed,
