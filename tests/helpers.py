@@ -11,7 +11,6 @@ scripts; how many of a file's pages the page cache holds.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import os
@@ -244,13 +243,14 @@ def cached_pages(path: Path, start: int, end: int) -> int:
     """How many pages of [start, end) the page cache holds (a read that would wait on the
     disk fails at once with RWF_NOWAIT). A probe that misses starts reading its page: probe
     each page once."""
-    cached, probe, page = 0, bytearray(1), mmap.PAGESIZE
+    from consumer.checkpoints.page_cache import page_cached
+
+    cached, page = 0, mmap.PAGESIZE
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around a miss
         for at in range(start - start % page, end, page):
-            with contextlib.suppress(BlockingIOError):
-                cached += os.preadv(fd, [probe], at, os.RWF_NOWAIT) == 1
+            cached += page_cached(fd, at)
     finally:
         os.close(fd)
     return cached

@@ -28,7 +28,7 @@ import structlog
 import torch
 
 from consumer.checkpoints import hf_fp8, page_cache
-from consumer.checkpoints.hf_files import HfCheckpoint
+from consumer.checkpoints.hf_files import _VIEW_DTYPES, HfCheckpoint
 from consumer.checkpoints.parallel_read import (
     CHUNK,
     THREADS,
@@ -213,7 +213,7 @@ class StagedView(HfCheckpoint):
     def _staged(self, name: str, slices: Sequence[slice]) -> torch.Tensor | None:
         if name in self.scales:
             return None  # FP8: dequantized with its scales, from the map
-        dtype = _dtype(self.dtypes.get(name))
+        dtype = _VIEW_DTYPES.get(self.dtypes.get(name, ""))
         if dtype is None:
             return None
         path, start, end = self.byte_span(name, slices)
@@ -246,12 +246,6 @@ def _read_into(fd: int, start: int, view: memoryview) -> int:
         if done % ALIGN:
             break
     return done
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    from consumer.checkpoints.hf_files import _VIEW_DTYPES
-
-    return _VIEW_DTYPES.get(name) if name else None
 
 
 def _buffer(nbytes: int, pinned: bool) -> torch.Tensor:

@@ -47,19 +47,25 @@ def pread_range(fd: int, start: int, end: int, buffer: bytearray) -> int:
     return done
 
 
+def page_cached(fd: int, at: int) -> bool:
+    """Whether the page cache holds the byte at `at` of `fd`: a one-byte read that would wait
+    on the disk fails at once with `RWF_NOWAIT` (and starts reading its page)."""
+    with contextlib.suppress(BlockingIOError):
+        return os.preadv(fd, [bytearray(1)], at, os.RWF_NOWAIT) == 1
+    return False
+
+
 def cached_share(spans: Iterable[tuple[Path, int, int]], samples: int = 64) -> float | None:
     """The share of `samples` pages, spread evenly over the bytes of `spans` ((file, start,
     end)), that the page cache holds; None where it cannot be told (no `RWF_NOWAIT`). A probe
     that misses starts reading its page, so the answer costs a few reads."""
     spans = [s for s in spans if s[2] > s[1]]
     total = sum(end - start for _, start, end in spans)
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    if not total or nowait is None:
+    if not total or not hasattr(os, "RWF_NOWAIT"):
         return None
     step = max(1, total // samples)
     hits = probes = 0
     fds: dict[Path, int] = {}
-    probe = bytearray(1)
     try:
         offset = 0
         for path, start, end in spans:
@@ -68,8 +74,7 @@ def cached_share(spans: Iterable[tuple[Path, int, int]], samples: int = 64) -> f
                 if fd is None:
                     fd = fds[path] = os.open(path, os.O_RDONLY)
                 probes += 1
-                with contextlib.suppress(BlockingIOError):
-                    hits += os.preadv(fd, [probe], at, nowait) == 1
+                hits += page_cached(fd, at)
             offset += end - start
     except OSError:  # EOPNOTSUPP (a filesystem without it), a file gone
         return None
