@@ -130,6 +130,15 @@ class BatchRunner:
         while self._inflight:
             self.finish_oldest()
 
+    def settle(self) -> None:
+        """Finish every batch in flight and wait until their results are stored and
+        acknowledged: nothing is held but what comes next. Before a redelivered job runs (it
+        may be the poison that kills the process), so that a result still on its way to Redis
+        is not delivered again and charged a delivery it never failed — a good job
+        dead-lettered for a neighbour's crashes. Raises as the writer's `check` does."""
+        self.finish_inflight()
+        self.writer.flush()
+
     def _launch(
         self, jobs: list[Job], *, batch_id: str, claimed_at: float, deliveries: dict[str, int]
     ) -> _InFlight | None:

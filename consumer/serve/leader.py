@@ -303,8 +303,9 @@ class Leader:
         claimed_at = time.time()
         deliveries = self.claimer.delivery_counts([eid for eid, _ in entries])
         jobs = self.intake.admit(entries, deliveries=deliveries, claimed_at=claimed_at)
-        # Entries delivered before were in flight when something died: run each alone, so a
-        # poison job cannot take innocent batch-mates down with it again.
+        # Entries delivered before were in flight when something died: run each alone, with
+        # nothing else in flight or unstored, so a poison job cannot take innocent
+        # batch-mates down with it again, nor charge them a delivery.
         suspects = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) > 1]
         fresh = [j for j in jobs if deliveries.get(j.entry_id.encode(), 1) <= 1]
         groups = plan_shared_microbatches(
@@ -314,14 +315,14 @@ class Leader:
         )
         for group in groups + [[j] for j in suspects]:
             counts = {j.entry_id: deliveries.get(j.entry_id.encode(), 1) for j in group}
-            if group[0] in suspects:  # alone on the device too, with nothing else in flight
-                self.runner.finish_inflight()
+            if group[0] in suspects:  # alone on the device, every result before it stored
+                self.runner.settle()
             # One id per micro-batch: each has its own trace.
             self.runner.score_and_store(
                 group, batch_id=new_id(), claimed_at=claimed_at, deliveries=counts
             )
-        if suspects:  # finished before the prefetcher may claim more (see Prefetcher)
-            self.runner.finish_inflight()
+        if suspects:  # stored before the prefetcher may claim more (see Prefetcher)
+            self.runner.settle()
 
     def _written(self, task: WriteTask, wrote: bool) -> None:
         """A write finished (on a writer thread): count it and let the heartbeat let go."""

@@ -17,7 +17,10 @@ class Prefetcher:
     it already claimed is still handed out (and so finished) before `get` returns None.
     After claiming redelivered entries (`serial()` true) it waits until the loop has processed
     them before claiming more: a redelivered entry may be the poison that kills the process,
-    and entries claimed ahead of it would be charged a delivery for nothing.
+    and entries claimed ahead of it would be charged a delivery for nothing. Batches are
+    counted, handed out and processed, so the loop finishing an earlier batch does not pass
+    for the redelivered one (a single flag did: the loop's word for the batch before let the
+    thread claim past a redelivered entry it had not even taken yet).
     """
 
     _DONE = object()
@@ -34,7 +37,9 @@ class Prefetcher:
         self.stop = stop
         self.depth = depth
         self.serial = serial
-        self._processed = threading.Event()
+        self._progress = threading.Condition()
+        self._handed = 0  # batches handed out (counted before they are queued)
+        self._finished = 0  # batches the loop reported processed
         self._closed = threading.Event()  # the loop is done: claim and hand out no more
         self._q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._thread: threading.Thread | None = None
@@ -52,14 +57,22 @@ class Prefetcher:
                 entries = self.fetch()
                 if entries:
                     wait = self.serial()
-                    self._processed.clear()
+                    with self._progress:
+                        self._handed += 1
+                        mine = self._handed
                     self._hand_out(entries)
-                    while wait and not self._processed.wait(0.5) and not self._ending():
-                        pass
+                    if wait:
+                        self._wait_processed(mine)
         except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, re-raised there
             self._error = exc
         finally:
             self._hand_out(self._DONE)
+
+    def _wait_processed(self, batch: int) -> None:
+        """Block until the loop has processed the `batch`-th batch handed out, or is ending."""
+        with self._progress:
+            while self._finished < batch and not self._ending():
+                self._progress.wait(0.5)
 
     def _hand_out(self, item: object) -> None:
         """Queue `item` for the loop; given up once closed (the loop takes no more)."""
@@ -90,8 +103,10 @@ class Prefetcher:
         return item
 
     def processed(self) -> None:
-        """The loop finished the entries it got last."""
-        self._processed.set()
+        """The loop finished the entries it got last (once per non-empty `get`)."""
+        with self._progress:
+            self._finished += 1
+            self._progress.notify_all()
 
     def close(self) -> None:
         """Stop claiming and wait for the thread (at most one claim's BLOCK time). After a

@@ -241,3 +241,54 @@ def test_a_dead_letter_waiting_on_a_full_redis_stops_the_hang_clock(
     assert not sender.is_alive()
     assert deps.heartbeat.batch_started is not None and deps.heartbeat.batch_started > before
     assert r.xlen(keys.dead_stream(deps.settings.queue.name)) == 1
+
+
+class SlowStore(FaultInjector):
+    """Results reach Redis late (a slow object store, say); each batch checked on the device
+    records how many entries were pending in the group at that moment."""
+
+    def __init__(self, r: redis.Redis, streams: Streams) -> None:
+        super().__init__(None)
+        self.r, self.streams = r, streams
+        self.pending_at_batch: list[int] = []
+
+    def reached(self, point: str) -> None:
+        if point == "stored":
+            time.sleep(0.3)  # the injected latency itself, not a test waiting
+
+    def check_batch(self, input_ids: torch.Tensor) -> None:
+        pending = self.r.xpending(self.streams.jobs, self.streams.group)["pending"]
+        self.pending_at_batch.append(pending)
+
+
+def test_a_redelivered_job_runs_once_everything_before_it_is_stored(
+    settings: Settings, r: redis.Redis, scorer
+) -> None:
+    """Entries delivered before (their consumer died holding them) each run alone, and only
+    once every result before them is stored and acknowledged: any one of them may be the
+    poison that kills the process again, and a result still on its way would be delivered
+    once more, charged a delivery it never failed — a good job dead-lettered after its
+    neighbour's crashes (seen on CI: `test_poison_jobs_dead_letter_after_k_attempts[exit]`)."""
+    streams = Streams(r, settings.queue.name, settings.queue.group)
+    faults = SlowStore(r, streams)
+    leader = build_leader(
+        settings=settings,
+        scorer=scorer,
+        client=r,
+        store=None,  # type: ignore[arg-type] # results inline in their records
+        model_version="tiny-v1",
+        stop=StopFlag(),
+        faults=faults,
+    )
+    try:
+        streams.ensure_group()
+        ids = TeacherClient(settings).submit(job_set(3))
+        # Delivered once to this consumer's name, which died before computing anything.
+        r.xreadgroup(streams.group, leader.name, {streams.jobs: ">"}, count=3)
+        for _ in ids:  # the restarted consumer drains its own pending list, one by one
+            leader._process(leader.claimer.next_entries(4))
+        leader.writer.flush()
+    finally:
+        leader.writer.close()
+    assert faults.pending_at_batch == [3, 2, 1], "a job ran while one before it was unstored"
+    assert r.xpending(streams.jobs, streams.group)["pending"] == 0

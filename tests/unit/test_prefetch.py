@@ -53,3 +53,37 @@ def test_a_stop_hands_out_everything_claimed_then_none() -> None:
         got.append(batch)
     fetcher.close()
     assert [b[0] for b in got] == list(range(1, claims.calls + 1))
+
+
+def test_a_redelivered_batch_is_processed_before_the_next_claim() -> None:
+    """A redelivered batch (`serial()` true once claimed) may be the poison that kills the
+    process: nothing more is claimed until the loop has processed that very batch. The loop's
+    word for the fresh batch before it does not count — a single flag let the thread claim
+    past a redelivered entry the loop had not even taken yet, charging the entries behind it
+    a delivery."""
+    processed = 0
+    seen_at_call: list[int] = []  # how many batches the loop had processed at each claim
+    third_claim = threading.Event()
+
+    def claims() -> list:
+        seen_at_call.append(processed)
+        if len(seen_at_call) >= 3:
+            third_claim.set()
+        return [len(seen_at_call)]
+
+    fetcher = Prefetcher(claims, depth=2, stop=StopFlag(), serial=lambda: len(seen_at_call) >= 2)
+    try:
+        assert fetcher.get(timeout_s=scaled(10)) == [1]  # fresh
+        # The thread claims the redelivered batch 2 before the loop finishes batch 1.
+        wait_until(lambda: fetcher._q.qsize() == 1, "batch 2 claimed and queued")
+        processed += 1
+        fetcher.processed()
+        assert fetcher.get(timeout_s=scaled(10)) == [2]
+        # Batch 2 runs a while; a claim made meanwhile would show up here (it must not).
+        third_claim.wait(0.5)
+        processed += 1
+        fetcher.processed()
+        assert fetcher.get(timeout_s=scaled(10)) == [3]
+    finally:
+        fetcher.close()
+    assert seen_at_call[:3] == [0, 0, 2], "batch 3 was claimed before batch 2 was processed"
