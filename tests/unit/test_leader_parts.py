@@ -125,6 +125,20 @@ class Deps:
         )
 
 
+def tiny_leader(settings: Settings, r: redis.Redis, scorer: Scorer, faults: FaultInjector):
+    """A leader assembled by `build_leader` on the tiny model; no object store (nothing here
+    stores bulk arrays: results ride inline in their records)."""
+    return build_leader(
+        settings=settings,
+        scorer=scorer,
+        client=r,
+        store=None,  # type: ignore[arg-type]
+        model_version="tiny-v1",
+        stop=StopFlag(),
+        faults=faults,
+    )
+
+
 @pytest.fixture
 def deps(settings: Settings, r: redis.Redis, scorer: Scorer):
     d = Deps(settings, r, scorer)
@@ -193,15 +207,7 @@ def test_control_publishes_the_model_and_checks_quietly(deps: Deps, r: redis.Red
 def test_build_leader_connects_the_parts(settings: Settings, r: redis.Redis, scorer) -> None:
     """The assembly hands every part the same streams, writer and heartbeat, and the leader's
     hooks are in place (what the heartbeat records, what a finished write counts)."""
-    leader = build_leader(
-        settings=settings,
-        scorer=scorer,
-        client=r,
-        store=None,  # type: ignore[arg-type] # nothing here stores bulk arrays
-        model_version="tiny-v1",
-        stop=StopFlag(),
-        faults=FaultInjector(None),
-    )
+    leader = tiny_leader(settings, r, scorer, FaultInjector(None))
     try:
         assert leader.intake.writer is leader.writer is leader.runner.writer
         assert leader.control.heartbeat is leader.heartbeat is leader.intake.heartbeat
@@ -271,15 +277,7 @@ def test_a_redelivered_job_runs_once_everything_before_it_is_stored(
     neighbour's crashes (seen on CI: `test_poison_jobs_dead_letter_after_k_attempts[exit]`)."""
     streams = Streams(r, settings.queue.name, settings.queue.group)
     faults = SlowStore(r, streams)
-    leader = build_leader(
-        settings=settings,
-        scorer=scorer,
-        client=r,
-        store=None,  # type: ignore[arg-type] # results inline in their records
-        model_version="tiny-v1",
-        stop=StopFlag(),
-        faults=faults,
-    )
+    leader = tiny_leader(settings, r, scorer, faults)
     try:
         streams.ensure_group()
         ids = TeacherClient(settings).submit(job_set(3))
