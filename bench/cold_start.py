@@ -129,9 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prefetch-too",
         action="store_true",
-        help="last, two more fresh-machine starts side by side, `model.prefetch` off then on "
-        "(each with an empty compile cache of its own and no compile cache store): the "
-        "checkpoint prefetch's gain, both starts after the first start of the run",
+        help="last, four more fresh-machine starts, side by side in pairs, `model.prefetch` "
+        "off then on: with an empty compile cache of its own each (no compile cache store), "
+        "then with a copy of the sealed cache (as `shared`): the checkpoint prefetch's gain "
+        "with and without precompile workers beside it, every start after the run's first",
     )
     p.add_argument(
         "--fast-write",
@@ -377,9 +378,18 @@ def start(
 def prefetch_starts(
     consumer: Consumer, settings, run: Path, args: argparse.Namespace, starts: dict
 ) -> Consumer:
-    """`--prefetch-too`: two fresh-machine starts, `model.prefetch` off then on (no compile
-    cache store), each after the consumer before it stopped; returns the last consumer."""
-    for name, prefetch in (("fresh-off", False), ("fresh-prefetch", True)):
+    """`--prefetch-too`: fresh-machine starts, `model.prefetch` off then on (no compile cache
+    store), first each on an empty compile cache (precompile workers read and compile beside
+    the prefetch), then each on a copy of the sealed cache (nothing to compile: the warm-up
+    on the shell can run while the checkpoint is read). Each starts after the consumer before
+    it stopped; returns the last consumer."""
+    pairs = (
+        ("fresh-off", False, False),
+        ("fresh-prefetch", True, False),
+        ("shared-off", False, True),
+        ("shared-prefetch", True, True),
+    )
+    for name, prefetch, sealed in pairs:
         consumer.stop()  # one consumer at a time
         other = settings.model_copy(
             update={
@@ -387,9 +397,10 @@ def prefetch_starts(
                 "consumer": settings.consumer.model_copy(update={"compile_cache_url": None}),
             }
         )
-        consumer, starts[name] = start(
-            name, other, run, f"compile-cache-{name}", f"machine-{name}", args
-        )
+        cache = f"compile-cache-{name}"
+        if sealed:
+            shutil.copytree(run / "compile-cache", run / cache)
+        consumer, starts[name] = start(name, other, run, cache, f"machine-{name}", args)
         print(f"# ready ({name}): {starts[name]}", flush=True)
     return consumer
 
@@ -400,6 +411,7 @@ def summary(report: dict, out: Path | None) -> None:
     report["targets_s"] = {
         "cold": 10 + load_s, "shared": 8 + load_s, "pulled": 8 + load_s, "warm": 8 + load_s,
         "fresh-off": 10 + load_s, "fresh-prefetch": 10 + load_s,
+        "shared-off": 8 + load_s, "shared-prefetch": 8 + load_s,
     }  # fmt: skip
     print(json.dumps(report))
     if out is not None:
