@@ -30,11 +30,11 @@ time (most never do), and the most recently used `max_graphs` are kept. All grap
 memory pool, so their activations take the memory of one forward, not one per graph; bucketed
 graphs also write one shared output buffer. Recording costs no extra forward: the first
 batch recorded runs eagerly first (as capture requires) and keeps that run's result; later
-ones replay the graph just recorded. The host records while the device computes what was
-queued before (no device sync, no cache emptying, unlike `torch.cuda.graph`). Once
-`max_graphs` are held, a bucketed graph is replaced only while captures stay under one in
-eight replays, so traffic spread over more buckets than that runs the rest eagerly instead
-of recording all the time.
+ones replay the graph just recorded (`record` records without running: the warm-up's).
+The host records while the device computes what was queued before (no device sync, no cache
+emptying, unlike `torch.cuda.graph`). Once `max_graphs` are held, a bucketed graph is
+replaced only while captures stay under one in eight replays, so traffic spread over more
+buckets than that runs the rest eagerly instead of recording all the time.
 
 A graph reads the model's weights and rotary table at fixed addresses: moving the model
 (sleep offloads it to the host) invalidates every graph, so `clear` must run before.
@@ -175,14 +175,10 @@ class GraphedForward:
     ) -> torch.Tensor:
         """Hidden states [P, H]. From a replay this is a graph's output buffer, valid until
         the next call (copy it to keep it)."""
-        bucket = None
-        if self.buckets and bounds.varlen is not None:
-            bucket = Bucket.of(bounds.segments)
-            if bucket.max_q > MAX_GRAPHED_SPAN:
-                return eager_forward(self.model, ids_P, position_P, bounds)
-        key: Layout = (
-            ("bucket", *bucket.key) if bucket else (bounds.segments, int(bounds.max_seqlen_q))
-        )
+        found = self._key(bounds)
+        if found is None:
+            return eager_forward(self.model, ids_P, position_P, bounds)
+        key, bucket = found
         graph = self._graphs.get(key) if self.enabled else None
         if graph is None:
             seen = self._seen[key] = self._seen.get(key, 0) + 1
@@ -202,6 +198,36 @@ class GraphedForward:
         graph.graph.replay()
         self.replays += 1
         return graph.hidden_PH[:rows]
+
+    def record(self, ids_P: torch.Tensor, position_P: torch.Tensor, bounds: TreeBounds) -> bool:
+        """Record the graph that would serve this batch, without running the batch: the
+        warm-up's full batches of each length class need only their recording, and replaying
+        each (a whole forward of the token budget) was most of a large teacher's warm-up.
+        The first capture still runs the batch eagerly, as capture requires. Returns whether
+        a graph was recorded (not where graphs are off, the batch would run eagerly, its
+        graph exists, or there is no room)."""
+        found = self._key(bounds)
+        if not self.enabled or found is None or found[0] in self._graphs:
+            return False
+        key, bucket = found
+        if not self._room(bucket):
+            return False
+        captures = self.captures
+        self._capture(key, ids_P, position_P, bounds, bucket, replay=False)
+        return self.captures > captures
+
+    def _key(self, bounds: TreeBounds) -> tuple[Layout, Bucket | None] | None:
+        """The graph key of a batch laid out as `bounds`, and its bucket where bucketed;
+        None where the batch runs eagerly (a segment longer than `MAX_GRAPHED_SPAN`)."""
+        bucket = None
+        if self.buckets and bounds.varlen is not None:
+            bucket = Bucket.of(bounds.segments)
+            if bucket.max_q > MAX_GRAPHED_SPAN:
+                return None
+        key: Layout = (
+            ("bucket", *bucket.key) if bucket else (bounds.segments, int(bounds.max_seqlen_q))
+        )
+        return key, bucket
 
     def clear(self) -> None:
         """Drop every graph (their memory returns to the allocator) once queued replays are
@@ -231,9 +257,12 @@ class GraphedForward:
         position_P: torch.Tensor,
         bounds: TreeBounds,
         bucket: Bucket | None,
+        *,
+        replay: bool = True,
     ) -> torch.Tensor:
         """Record a graph for `key` and return this batch's hidden states [P, H] (eager from
-        here on if capture fails).
+        here on if capture fails); with `replay` False (`record`) a capture that needed no
+        eager run returns the output buffer unwritten.
 
         The first capture (and the first after `clear`) runs the batch eagerly first, on the
         stream it will capture on, as capture requires: whatever libraries initialise lazily
@@ -302,6 +331,8 @@ class GraphedForward:
         self._graphs[key] = _Graph(graph, static_ids, static_pos, hidden, recorded)
         if warm is not None:
             return warm[:rows]
+        if not replay:
+            return hidden[:rows]
         graph.replay()  # on the current stream, after what was queued before this batch
         self.replays += 1
         return hidden[:rows]

@@ -99,21 +99,34 @@ class Scorer:
         CUDA graphs this may be a graph's output buffer, overwritten by the next forward."""
         clock = clock or PhaseClock()
         with clock.phase("h2d"):
-            ids = to_device(tree.input_ids_P, self.device)
-            pos = to_device(tree.position_P, self.device)
-            bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
-            if self.device.type == "cuda":  # before any graph capture reads it (graphs.py)
-                bounds.varlen = VarlenLayout.of(tree.segments, self.device)
-            if self.graphs is not None:
-                # Graphs read the rotary tables where they are: grown, they move.
-                # ids.device, not self.device: "cuda" and "cuda:0" compare unequal.
-                before = self.model.rope_tables(ids.device)[0]
-                if self.model.rope_tables(ids.device, bounds.max_seqlen_q)[0] is not before:
-                    self.graphs.clear()
+            ids, pos, bounds = self._forward_inputs(tree)
         with clock.phase("forward"):
             if self.graphs is not None:
                 return self.graphs(ids, pos, bounds)
             return eager_forward(self.model, ids, pos, bounds)
+
+    @torch.inference_mode()
+    def record_graph(self, batch: BatchTensors) -> bool:
+        """Record the CUDA graph that would serve `batch` without scoring it (the warm-up's
+        full batches: `GraphedForward.record`); whether one was recorded."""
+        if self.graphs is None:
+            return False
+        return self.graphs.record(*self._forward_inputs(self.layout_of(batch)))
+
+    def _forward_inputs(self, tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor, TreeBounds]:
+        """The packed forward's ids, positions and layout on the device."""
+        ids = to_device(tree.input_ids_P, self.device)
+        pos = to_device(tree.position_P, self.device)
+        bounds = TreeBounds.from_segments(tree.segments, max_position=max(tree.lengths) - 1)
+        if self.device.type == "cuda":  # before any graph capture reads it (graphs.py)
+            bounds.varlen = VarlenLayout.of(tree.segments, self.device)
+        if self.graphs is not None:
+            # Graphs read the rotary tables where they are: grown, they move.
+            # ids.device, not self.device: "cuda" and "cuda:0" compare unequal.
+            before = self.model.rope_tables(ids.device)[0]
+            if self.model.rope_tables(ids.device, bounds.max_seqlen_q)[0] is not before:
+                self.graphs.clear()
+        return ids, pos, bounds
 
     @torch.inference_mode()
     def score(

@@ -15,6 +15,9 @@ first batch would otherwise pay for, and how the warm-up reaches it:
 - **CUDA-graph buckets** (`consumer/forward/graphs.py`, CUDA at TP = 1, dense teachers). A graph is
   recorded the first time its bucket comes; a full batch of documents of one length class
   (128, 256, ... up to 8192 tokens) fills one bucket, so the warm-up records each of those.
+  The first such batch is scored (the head then runs at a full batch's row count); the others
+  are only recorded, not run: their results are not needed, and a forward of the whole token
+  budget per class was most of a large teacher's warm-up (7 of them at 7B).
   Batches of mixed lengths may still meet a bucket for the first time (one eager forward and
   a recording, a few milliseconds at 1.5B).
 - **Compiled kernels persist** in `consumer.compile_cache_dir` (consumer/serve/compile_cache.py,
@@ -175,13 +178,21 @@ def run(scorer, batches: list[WarmupBatch]) -> dict[str, object]:
     started = time.perf_counter()
     vocab = int(scorer.spec.vocab_size)
     captures = scorer.graphs.captures if scorer.graphs is not None else 0
+    scored_full = False  # a full batch went through the head (its row count warmed)
+    recorded_only = 0
     for i, batch in enumerate(batches):
         reqs = requests(batch, vocab_size=vocab, seed=i)
         jobs = [
             Job(job_id=f"warmup-{i}-{j}", entry_id="0-0", request=r, submitted_at=0)
             for j, r in enumerate(reqs)
         ]
+        if batch.why == "graph" and scored_full:
+            # The rest of the length classes need their graphs, not their results: recorded,
+            # not run (a whole forward of the token budget each).
+            recorded_only += scorer.record_graph(batch_from_jobs(jobs))
+            continue
         scorer.score(batch_from_jobs(jobs))
+        scored_full = scored_full or batch.why == "graph"
     if scorer.device.type == "cuda":
         import torch
 
@@ -191,5 +202,6 @@ def run(scorer, batches: list[WarmupBatch]) -> dict[str, object]:
         "batches": len(batches),
         "combinations": seen,
         "graphs_recorded": (scorer.graphs.captures if scorer.graphs is not None else 0) - captures,
+        "graphs_not_run": recorded_only,
         "seconds": round(time.perf_counter() - started, 3),
     }

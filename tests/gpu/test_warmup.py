@@ -1,7 +1,7 @@
-"""The consumer's warm-up on CUDA (consumer/serve/warmup.py): after it, no batch of any output at
-any size compiles a Triton kernel, and a full batch of any document-length class replays a graph
-instead of recording one; a same-shape weight update in place keeps the graphs and changes
-the results.
+"""The consumer's warm-up on CUDA (consumer/serve/warmup.py): after it, no batch of any output
+at any size compiles a Triton kernel, and a full batch of any document-length class replays a
+graph instead of recording one (a graph the warm-up recorded without running gives the eager
+result); a same-shape weight update in place keeps the graphs and changes the results.
 
 Compiles are counted with Triton's `jit_cache_hook`, which Triton calls before every compile
 (a miss of its in-memory cache)."""
@@ -62,7 +62,21 @@ def scorer(layout) -> Scorer:
     report = warmup.run(s, plan)
     # 128 .. 8192-token documents, and the short outputs' batches' own bucket
     assert report["graphs_recorded"] >= 7
+    assert report["graphs_not_run"] == 6  # every class after the first: recorded, not run
     return s
+
+
+@pytest.mark.parametrize("doc", [256, 4096])
+def test_a_class_recorded_without_running_replays_the_eager_result(scorer, doc) -> None:
+    """A length class the warm-up only recorded: its first batch replays the graph (records
+    nothing) and scores what an eager forward of the same weights scores."""
+    captures = scorer.graphs.captures
+    batch = _batch([doc] * (BUDGET // doc), seed=doc + 1)
+    replayed = scorer.score(batch)
+    assert scorer.graphs.captures == captures
+    eager = Scorer(model=scorer.model, spec=SPEC, layout=scorer.layout, device=CUDA)
+    for got, want in zip(replayed, eager.score(batch), strict=True):
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=0.1)
 
 
 def _batch(lengths: list[int], seed: int, **opts):

@@ -109,6 +109,51 @@ def test_graph_classes_fill_the_token_budget() -> None:
     assert all(b.tokens * len(b.combos) == 8192 for b in graphs)
 
 
+def test_only_the_first_length_class_is_scored_the_others_recorded(layout, monkeypatch) -> None:
+    """Of the length classes' full batches, the first goes through the head (at a full
+    batch's row count); the others are handed to `Scorer.record_graph`, not scored. On the
+    CPU there are no graphs, so none is recorded and the report says so."""
+    from consumer import tp_ops
+    from consumer.forward.model import TINY, build_model
+    from consumer.forward.scoring import Scorer
+
+    rows: list[int] = []
+    real = tp_ops.chunked_head
+
+    def counting(**kwargs):
+        rows.append(int(kwargs["call"].inv_temperature_T.shape[0]))
+        return real(**kwargs)
+
+    monkeypatch.setattr(tp_ops, "chunked_head", counting)
+    recorded: list[int] = []
+    real_record = Scorer.record_graph
+
+    def record(self, batch):
+        recorded.append(batch.num_tokens)
+        return real_record(self, batch)
+
+    monkeypatch.setattr(Scorer, "record_graph", record)
+    model = build_model(TINY, layout, params_dtype=torch.float32, device="cpu")
+    scorer = Scorer(model=model, spec=TINY, layout=layout, device=torch.device("cpu"))
+    plan = warmup.plan(
+        max_top_k=1,
+        max_sample_n=1,
+        vocab_size=TINY.vocab_size,
+        max_input_tokens=TINY.max_input_tokens,
+        token_budget=512,
+        full=True,
+        graphs=True,
+    )
+    classes = [b for b in plan if b.why == "graph"]
+    assert [b.tokens for b in classes] == [128, 256, 512]
+    report = warmup.run(scorer, plan)
+    outputs = sum(b.why == "outputs" for b in plan)
+    assert len(rows) == 8 * outputs + 1  # every group of the short batches, one full batch
+    assert rows[-1] == 512 - 4  # the first class's 4 documents of 128: 127 rows each
+    assert recorded == [512, 512]  # the 256- and 512-token classes, not run
+    assert report["graphs_not_run"] == 0  # no graphs on the CPU
+
+
 def test_compile_cache_follows_setting_then_environment_then_home(tmp_path: Path) -> None:
     """Unset, the caches go under `<home>/compile-cache/<environment key>`; a directory the
     environment names already is used as it is (and not sealed); the setting overrides the
