@@ -43,13 +43,30 @@ def test_limits_leave_out_the_groups_they_forbid() -> None:
     assert {c.group for b in nothing for c in b} == {(False, False, False), (False, False, True)}
 
 
+def _tiny(layout, *, max_top_k: int, max_sample_n: int, token_budget: int, graphs: bool):
+    """A real tiny teacher's scorer on the CPU, and the full warm-up plan for it."""
+    from consumer.forward.model import TINY, build_model
+    from consumer.forward.scoring import Scorer
+
+    model = build_model(TINY, layout, params_dtype=torch.float32, device="cpu")
+    scorer = Scorer(model=model, spec=TINY, layout=layout, device=torch.device("cpu"))
+    plan = warmup.plan(
+        max_top_k=max_top_k,
+        max_sample_n=max_sample_n,
+        vocab_size=TINY.vocab_size,
+        max_input_tokens=TINY.max_input_tokens,
+        token_budget=token_budget,
+        full=True,
+        graphs=graphs,
+    )
+    return scorer, plan
+
+
 def test_warmup_sends_every_combination_through_the_head(layout, monkeypatch) -> None:
     """On a real tiny teacher, the head is called once per (batch, group), with every sample
     class, top-k on and off, entropy on and off, and label columns and temperatures other than
     1 among its rows: counted at `tp_ops.chunked_head`, which the scorer calls."""
     from consumer import tp_ops
-    from consumer.forward.model import TINY, build_model
-    from consumer.forward.scoring import Scorer
 
     calls: list[tuple] = []
     real = tp_ops.chunked_head
@@ -69,17 +86,7 @@ def test_warmup_sends_every_combination_through_the_head(layout, monkeypatch) ->
         return real(**kwargs)
 
     monkeypatch.setattr(tp_ops, "chunked_head", counting)
-    model = build_model(TINY, layout, params_dtype=torch.float32, device="cpu")
-    scorer = Scorer(model=model, spec=TINY, layout=layout, device=torch.device("cpu"))
-    plan = warmup.plan(
-        max_top_k=4,
-        max_sample_n=9,
-        vocab_size=TINY.vocab_size,
-        max_input_tokens=TINY.max_input_tokens,
-        token_budget=256,
-        full=True,
-        graphs=False,
-    )
+    scorer, plan = _tiny(layout, max_top_k=4, max_sample_n=9, token_budget=256, graphs=False)
     report = warmup.run(scorer, plan)
     assert report["batches"] == len(plan) == 5  # sample classes 1, 2, 3, 5, 9
     assert len(calls) == 8 * len(plan)
@@ -114,7 +121,6 @@ def test_only_the_first_length_class_is_scored_the_others_recorded(layout, monke
     batch's row count); the others are handed to `Scorer.record_graph`, not scored. On the
     CPU there are no graphs, so none is recorded and the report says so."""
     from consumer import tp_ops
-    from consumer.forward.model import TINY, build_model
     from consumer.forward.scoring import Scorer
 
     rows: list[int] = []
@@ -133,17 +139,7 @@ def test_only_the_first_length_class_is_scored_the_others_recorded(layout, monke
         return real_record(self, batch)
 
     monkeypatch.setattr(Scorer, "record_graph", record)
-    model = build_model(TINY, layout, params_dtype=torch.float32, device="cpu")
-    scorer = Scorer(model=model, spec=TINY, layout=layout, device=torch.device("cpu"))
-    plan = warmup.plan(
-        max_top_k=1,
-        max_sample_n=1,
-        vocab_size=TINY.vocab_size,
-        max_input_tokens=TINY.max_input_tokens,
-        token_budget=512,
-        full=True,
-        graphs=True,
-    )
+    scorer, plan = _tiny(layout, max_top_k=1, max_sample_n=1, token_budget=512, graphs=True)
     classes = [b for b in plan if b.why == "graph"]
     assert [b.tokens for b in classes] == [128, 256, 512]
     report = warmup.run(scorer, plan)
