@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from consumer.checkpoints import direct_read, hf_fp8, hf_mla, hf_moe
+from consumer.checkpoints import direct_read, hf_files, hf_fp8, hf_mla, hf_moe
 from consumer.checkpoints.direct_read import DirectStage
 from consumer.checkpoints.hf_config import (
     SUPPORTED_FAMILIES,
@@ -206,7 +206,7 @@ def _fused_qkv(spec: ModelSpec, prefix: str, kind: str, layout: ParallelLayout) 
             if lo < hi:
                 parts.append(ckpt.read(name, rows=slice(start + lo - offset, start + hi - offset)))
             offset += end - start
-        return torch.cat(parts)
+        return hf_files.cat(parts)
 
     return read
 
@@ -290,7 +290,7 @@ def _gate_up(prefix: str, rows: slice) -> Reader:
     def read(ckpt: HfCheckpoint) -> torch.Tensor:
         gate = ckpt.read(prefix + "gate_proj.weight", rows=rows)
         up = ckpt.read(prefix + "up_proj.weight", rows=rows)
-        return torch.cat([gate, up])
+        return hf_files.cat([gate, up])
 
     return read
 

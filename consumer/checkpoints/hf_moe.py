@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from consumer.checkpoints import hf_files
 from consumer.checkpoints.hf_files import HfCheckpoint
 from consumer.checkpoints.validate import CheckpointError
 from consumer.forward.spec import ModelSpec
@@ -221,13 +222,13 @@ def sparse_layer_readers(
             experts = slice(first, first + local)
             gate = ckpt.read_slices(name, experts, cols)
             up = ckpt.read_slices(name, experts, slice(f + cols.start, f + cols.stop))
-            return torch.stack([gate, up], dim=1)
+            return hf_files.stack([gate, up], dim=1)
         parts = []
         for e in range(first, first + local):
             gate = ckpt.read(names.expert(e, names.gate), rows=cols)
             up = ckpt.read(names.expert(e, names.up), rows=cols)
-            parts.append(torch.stack([gate, up]))
-        return torch.stack(parts)
+            parts.append(hf_files.stack([gate, up]))
+        return hf_files.stack(parts)
 
     def fc2(ckpt: HfCheckpoint) -> torch.Tensor:
         if names.fused:
@@ -236,7 +237,7 @@ def sparse_layer_readers(
         down = [
             ckpt.read(names.expert(e, names.down), cols=cols) for e in range(first, first + local)
         ]
-        return torch.stack(down)
+        return hf_files.stack(down)
 
     readers: dict[str, Reader] = {
         mg + "router.weight": lambda ckpt: ckpt.read(names.router()),
@@ -254,7 +255,7 @@ def sparse_layer_readers(
 
         def shared_fc1(ckpt: HfCheckpoint) -> torch.Tensor:
             gate = ckpt.read(p + "gate_proj.weight", rows=rows)
-            return torch.stack([gate, ckpt.read(p + "up_proj.weight", rows=rows)])
+            return hf_files.stack([gate, ckpt.read(p + "up_proj.weight", rows=rows)])
 
         readers[mg + "shared_fc1"] = shared_fc1
         readers[mg + "shared_fc2"] = lambda ckpt: ckpt.read(p + "down_proj.weight", cols=rows)

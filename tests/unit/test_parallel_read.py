@@ -9,6 +9,8 @@ import mmap
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
 from consumer.checkpoints.hf import hf_shard_readers
 from consumer.checkpoints.page_cache import evict
-from consumer.checkpoints.parallel_read import ReadAhead, Span, read_plan
+from consumer.checkpoints.parallel_read import PlanView, ReadAhead, Span, read_plan
 from consumer.parallel import ParallelLayout
 from tests.fp8_reference import write_fp8_pair
 from tests.helpers import cached_pages
@@ -103,6 +105,51 @@ def test_plan_covers_every_byte_the_readers_read(
     stored = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     share = 0.8 if tp > 1 else 0.9 if ep > 1 else 1.0  # replicated parts (norms, MLA latents)
     assert planned <= share * stored, f"a rank plans its share: {planned} of {stored} bytes"
+
+
+@PLAN_CASES
+def test_a_plan_gives_every_reader_its_real_shape(
+    hf_checkpoint, tmp_path, family, fp8, tp, ep, rank
+):
+    """Against the plan's meta reads, each reader returns the shape and dtype its real read
+    has (the joins of q/k/v, gate/up and the experts follow meta tensors by shape)."""
+    _, ckpt, readers, _ = plan_case(hf_checkpoint, tmp_path, family, fp8, tp, ep, rank)
+    view = PlanView(ckpt)
+    for name, read in readers.items():
+        planned, real = read(view), read(ckpt)
+        assert planned.is_meta, name
+        assert (planned.shape, planned.dtype) == (real.shape, real.dtype), name
+
+
+def test_planning_a_load_imports_no_compiler(hf_checkpoint, tmp_path):
+    """Planning every `PLAN_CASES` load in a fresh interpreter set up as `python -m consumer`
+    is does not import `torch._dynamo` (torch's meta cat would: seconds of a consumer's
+    start, which nothing else of a load needs)."""
+    cases = []
+    for family, fp8, tp, ep, rank in PLAN_CASES.args[1]:
+        path, *_ = plan_case(hf_checkpoint, tmp_path / family / str(fp8), family, fp8, tp, ep, rank)
+        cases.append((str(path), tp, ep, rank))
+    code = f"""
+import sys
+from consumer.serve.lazy_compile import deferred_torch_compile
+with deferred_torch_compile():
+    import consumer.serve.service
+from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
+from consumer.checkpoints.hf import hf_shard_readers
+from consumer.checkpoints.parallel_read import read_plan
+from consumer.parallel import ParallelLayout
+assert "torch._dynamo" not in sys.modules, "imported before planning"
+for path, tp, ep, rank in {cases!r}:
+    ckpt = HfCheckpoint(path)
+    layout = ParallelLayout(world_size=max(tp, ep), rank=rank, tp=tp, pp=1, dp=1,
+        tp_rank=rank % tp, pp_rank=0, dp_rank=0, tp_group=None, leader_rank=0, ep=ep)
+    plan = read_plan(ckpt, hf_shard_readers(spec_from_hf_config(ckpt.config), layout).values())
+    assert all(plan), path
+print("torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_garbling_outside_a_short_plan_is_caught(hf_checkpoint, tmp_path):
