@@ -212,8 +212,9 @@ def _flat_index(shape: Sequence[int], index: Sequence[int]) -> int:
 def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """`torch.cat` for the loader's readers; meta tensors (what a read plan's reads return:
     `parallel_read.PlanView`) are joined by their shapes alone. torch's own meta `cat` runs a
-    Python reference that imports `torch._dynamo` on first use: 0.5 s on the development
-    machine, more from a cold disk, spent in every consumer's start for a plan's shapes."""
+    Python reference that imports `torch._dynamo` on first use: 0.45 s of a CPU consumer's
+    start on the development machine, for a plan's shapes. (A CUDA consumer imports it anyway,
+    with torch's varlen attention module.)"""
     first = parts[0]
     if not first.is_meta:
         return torch.cat(list(parts), dim)
