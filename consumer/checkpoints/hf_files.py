@@ -224,10 +224,6 @@ def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 def stack(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    """`torch.stack` for the loader's readers, meta tensors joined by shape (see `cat`)."""
-    first = parts[0]
-    if not first.is_meta:
-        return torch.stack(list(parts), dim)
-    shape = list(first.shape)
-    shape.insert(dim, len(parts))
-    return torch.empty(shape, dtype=first.dtype, device="meta")
+    """`torch.stack` for the loader's readers: `cat` of the parts, each given the new
+    dimension (a view, meta or not)."""
+    return cat([p.unsqueeze(dim) for p in parts], dim)
