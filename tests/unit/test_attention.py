@@ -165,7 +165,6 @@ def test_a_pack_cut_at_its_long_documents_matches_a_dense_reference(monkeypatch,
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-
 _EARLY_IMPORT = """
 import importlib.abc, json, sys, threading
 importers = {}
