@@ -46,10 +46,7 @@ for the other packs: it ran at 0.06-0.18x of the flash call on an H100 (bench/at
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -224,38 +221,12 @@ def segment_arrays(segments: tuple[tuple[int, int, int, int], ...]) -> SegmentAr
     )
 
 
-VARLEN_MODULE = "torch.nn.attention.varlen"
-_early_import: list[threading.Thread] = []  # the thread `import_varlen_early` started
-
-
-def import_varlen_early() -> None:
-    """Start importing torch's varlen attention module on a thread of its own, where CUDA is
-    present (the only place it runs), so the import overlaps the start's set-up and checkpoint
-    read instead of following them. The module imports torch's compiler (`torch._dynamo`): on
-    the order of a second, which the scorer's set-up otherwise spends in the `load` phase.
-    `varlen_attention` waits for that thread before it imports the module itself."""
-    if _early_import or VARLEN_MODULE in sys.modules or not torch.cuda.is_available():
-        return
-    thread = threading.Thread(target=_import_quietly, name="tq-import-varlen", daemon=True)
-    _early_import.append(thread)
-    thread.start()
-
-
-def _import_quietly() -> None:
-    try:
-        importlib.import_module(VARLEN_MODULE)
-    except Exception as exc:  # noqa: BLE001 - `varlen_attention`'s own import meets it again
-        log.debug("attention.early_import_failed", module=VARLEN_MODULE, error=str(exc))
-
-
 @cache
 def varlen_attention() -> Callable[..., Tensor] | None:
     """torch's variable-length flash attention as `f(q, k, v, cu_q, cu_k, max_q, max_k, *,
     scale)` with causal (bottom-right) masking and grouped query heads, or None where this
     torch has none. Its keyword for causal masking changed across releases (`is_causal` in
     some, `window_size=(-1, 0)` in others): both are accepted here."""
-    for thread in _early_import:  # one import at a time: never two threads inside torch's
-        thread.join()
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -15,7 +15,7 @@ import torch
 
 from consumer import cpu_compat
 from consumer.checkpoints.prefetch import Prefetch
-from consumer.forward.attention import import_varlen_early, varlen_supported
+from consumer.forward.attention import varlen_supported
 from consumer.forward.graphs import GraphedForward
 from consumer.forward.load_phases import phase, recording
 from consumer.forward.model import TINY, build_model
@@ -352,7 +352,6 @@ def run(
     clock = StartClock(started)
     cpu_compat.apply()
     clock.lap("import")
-    import_varlen_early()  # torch's compiler, imported on a thread while the model loads
     if prefetch is not None:
         prefetch.start()  # now that the import's own reads are done
     stop = StopFlag()

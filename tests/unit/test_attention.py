@@ -3,8 +3,6 @@ softmax attention in float64 over the whole pack, its [T, T] mask built from the
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -163,47 +161,3 @@ def test_a_pack_cut_at_its_long_documents_matches_a_dense_reference(monkeypatch,
     assert got.shape == (total, heads * dv)
     want = dense_attention(q, k, v, segments)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-
-
-_EARLY_IMPORT = """
-import importlib.abc, json, sys, threading
-importers = {}
-
-class Watch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name in ("torch._dynamo", "torch.nn.attention.varlen"):
-            importers.setdefault(name, threading.current_thread().name)
-        return None  # the usual finders import it
-
-sys.meta_path.insert(0, Watch())
-import torch
-torch.cuda.is_available = lambda: CUDA  # the device check alone; no CUDA runs
-from consumer.serve.lazy_compile import deferred_torch_compile
-with deferred_torch_compile():  # as `python -m consumer` imports
-    from consumer.forward import attention
-before = "torch._dynamo" in sys.modules
-attention.import_varlen_early()
-attend = attention.varlen_attention()  # waits for the thread
-print(json.dumps({"before": before, "importers": importers, "found": attend is not None}))
-"""
-
-
-@pytest.mark.parametrize("cuda", [True, False])
-def test_varlen_attention_is_imported_early_on_its_own_thread_where_cuda_is(cuda: bool) -> None:
-    """`import_varlen_early` imports torch's varlen module, and with it torch's compiler, on
-    a thread of its own where CUDA is (nowhere else does the module run), and
-    `varlen_attention` then finds it imported: one import, not two."""
-    import json
-    import subprocess
-    import sys
-
-    code = _EARLY_IMPORT.replace("CUDA", repr(cuda))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.splitlines()[-1])
-    assert got["before"] is False  # the consumer's own import leaves the compiler out
-    has_varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    assert got["found"] is has_varlen
-    if has_varlen:
-        thread = "tq-import-varlen" if cuda else "MainThread"
-        assert got["importers"] == {"torch._dynamo": thread, "torch.nn.attention.varlen": thread}
