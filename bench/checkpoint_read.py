@@ -7,7 +7,9 @@ with each --threads value (0: the copy's page faults read the file, as before
 each cold load the checkpoint's pages are evicted from the page cache (fsync, then
 POSIX_FADV_DONTNEED: no root needed); a warm load (pages cached) follows each, to show the
 read-ahead costs nothing there. A `d` variant (`--threads d8`) reads straight into staging
-buffers with O_DIRECT, past the page cache: its "warm" load reads the disk again.
+buffers with O_DIRECT, past the page cache: its "warm" load reads the disk again. A `g`
+variant (`--threads g8`) populates through Python's own `mmap.madvise`, which holds the GIL
+while the kernel reads (the loader before 2026-12-06), against the ctypes call that lets it go.
 
     python bench/checkpoint_read.py --model 1.5b --layers 12      # CPU: ~1.6 GB
     python bench/checkpoint_read.py --model 7b --device cuda      # GPU: 15 GB
@@ -40,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         default="0,4,8,16",
         help="comma-separated read threads; d8 is 8 threads reading straight into staging "
-        "buffers (consumer/checkpoints/direct_read.py) instead of the page cache",
+        "buffers (consumer/checkpoints/direct_read.py) instead of the page cache; g8 is 8 "
+        "threads populating through mmap.madvise, holding the GIL while they read",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, help="write the report here as JSON")
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from bench.cold_start import versions
     from consumer import cpu_compat
-    from consumer.checkpoints import HfCheckpoint, spec_from_hf_config
+    from consumer.checkpoints import HfCheckpoint, page_cache, spec_from_hf_config
     from consumer.checkpoints.hf import load_hf_weights
     from consumer.checkpoints.page_cache import evict
     from consumer.forward.model import build_model
@@ -94,8 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
     def load(variant: str) -> float:
         start = time.perf_counter()
         direct = variant.startswith("d")
-        threads = int(variant.removeprefix("d"))
-        load_hf_weights(model, spec, path, layout, read_threads=threads, read_direct=direct)
+        threads = int(variant.lstrip("dg"))
+        # g: no address for ctypes, so `populate` falls back to Python's mmap.madvise
+        address = page_cache._address
+        page_cache._address = (lambda _: None) if variant.startswith("g") else address
+        try:
+            load_hf_weights(model, spec, path, layout, read_threads=threads, read_direct=direct)
+        finally:
+            page_cache._address = address
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

@@ -6,6 +6,7 @@ the prefetch runs before torch is imported.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -20,19 +21,47 @@ _populate_works = _POPULATE_READ != 0
 
 def populate(mapped: mmap.mmap, start: int, end: int) -> bool:
     """Fault [start, end) of `mapped` in (read from disk where not cached, and mapped); False
-    where the kernel has no MADV_POPULATE_READ (then never asked again)."""
+    where the kernel has no MADV_POPULATE_READ (then never asked again).
+
+    The call goes to libc through ctypes, which lets go of the GIL while the kernel reads:
+    Python's own `mmap.madvise` holds it, so every other thread of the process (the loader's
+    copies, the other readers) would stop for each chunk's read from disk."""
     global _populate_works
     if not _populate_works:
         return False
     aligned = start - start % mmap.PAGESIZE
+    address = _address(mapped)
     try:
-        mapped.madvise(_POPULATE_READ, aligned, end - aligned)
+        if address is None:  # a read-only map: ctypes cannot take its address
+            mapped.madvise(_POPULATE_READ, aligned, end - aligned)
+        elif _madvise(address + aligned, end - aligned, _POPULATE_READ) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         _populate_works = False  # a kernel before 5.14
         return False
     return True
+
+
+def _address(mapped: mmap.mmap) -> int | None:
+    """Where `mapped` starts in this process's memory; None for a map ctypes cannot view (a
+    read-only one). The view is let go at once, so the map can still be closed."""
+    try:
+        view = ctypes.c_char.from_buffer(mapped)
+    except TypeError:
+        return None
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
 
 
 def pread_range(fd: int, start: int, end: int, buffer: bytearray) -> int:

@@ -3,9 +3,10 @@
 A compile-only call goes through the kernel's own `warmup` (Triton's ahead-of-time path: the
 same argument binding, specialization and cache key as a launch, no launch), so what it
 writes into TRITON_CACHE_DIR is what a later launch with the same kinds of arguments loads.
-`Shaped` stands in for a tensor there: Triton reads a pointer argument's dtype and whether
-its address is 16-byte aligned; a fresh allocation always is, so `data_ptr` is 0.
-This module imports neither torch nor Triton.
+A launch's first call also builds the kernel's host-side launcher; a compile-only call
+builds it too (`build_launchers`). `Shaped` stands in for a tensor there: Triton reads a
+pointer argument's dtype and whether its address is 16-byte aligned; a fresh allocation always
+is, so `data_ptr` is 0. This module imports neither torch nor Triton at import.
 """
 
 from __future__ import annotations
@@ -48,8 +49,22 @@ class Shaped:
 
 def launch(kernel: Any, grid: Any, *args: Any, compile_only: bool = False, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, or with `compile_only` its compilation alone (into
-    Triton's cache, nothing runs on the device)."""
+    Triton's cache, nothing runs on the device), its host-side launcher included."""
     if compile_only:
-        kernel.warmup(*args, grid=grid, **kwargs)
+        build_launchers(kernel.warmup(*args, grid=grid, **kwargs))
     else:
         kernel[grid](*args, **kwargs)
+
+
+def build_launchers(compiled: Any) -> None:
+    """Build the host-side launcher of each compiled kernel (`warmup` returns one, or a list
+    where the kernel is autotuned) as its first launch would, without loading it on a device.
+    Up to Triton 3.6 that compiles a small C module per kernel signature with the host's C
+    compiler, about 0.4 s each, into the same cache: left to the first launch, a fresh 1.5B
+    consumer spent 1.4 s of its warm-up there (docs/benchmarks.md, cold start run 12). Later
+    Triton releases build no module, and this costs nothing."""
+    from triton.runtime import driver
+
+    for kernel in compiled if isinstance(compiled, list) else [compiled]:
+        if kernel is not None:  # (a test's stand-in for a kernel compiles nothing)
+            driver.active.launcher_cls(kernel.src, kernel.metadata)

@@ -202,6 +202,26 @@ def test_every_planned_page_is_brought_in(data_file, how):
             assert cached_pages(data_file, span.start, span.end) == len(pages), span
 
 
+def test_populate_asks_the_kernel_about_the_maps_own_bytes(data_file):
+    """`populate` hands libc the map's own address (through ctypes, which lets go of the GIL
+    while the kernel reads; Python's `mmap.madvise` holds it), lets go of its view of the map
+    (which can then be closed), and brings the range in."""
+    import ctypes
+
+    from consumer.checkpoints import page_cache
+
+    evict([data_file])
+    with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        address = page_cache._address(mapped)
+        assert address is not None
+        assert ctypes.string_at(address + 5 * MIB, 64) == mapped[5 * MIB : 5 * MIB + 64]
+        assert page_cache.populate(mapped, 2 * MIB + 1, 3 * MIB)
+        assert cached_pages(data_file, 2 * MIB, 3 * MIB) == MIB // mmap.PAGESIZE
+    with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert page_cache._address(mapped) is None  # read-only: mmap.madvise instead
+        assert page_cache.populate(mapped, 0, MIB)
+
+
 def test_reads_stay_inside_the_window(data_file):
     with ReadAhead(_groups(data_file), threads=4, window=2 * MIB, chunk=MIB // 4) as ahead:
         wait_until(lambda: ahead.waiting == 4, "every thread to wait at the window's edge")
