@@ -11,7 +11,12 @@ is, so `data_ptr` is 0. This module imports neither torch nor Triton at import.
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
+
+_claims: list[Path] = []  # where the precompile workers of one start claim launchers
 
 
 class Shaped:
@@ -61,10 +66,34 @@ def build_launchers(compiled: Any) -> None:
     where the kernel is autotuned) as its first launch would, without loading it on a device.
     Up to Triton 3.6 that compiles a small C module per kernel signature with the host's C
     compiler, about 0.4 s each, into the same cache: left to the first launch, a fresh 1.5B
-    consumer spent 1.4 s of its warm-up there (docs/benchmarks.md, cold start run 12). Later
-    Triton releases build no module, and this costs nothing."""
+    consumer spent 1.4 s of its warm-up there (docs/benchmarks.md, cold-start run 12). Later
+    Triton releases build no module, and this costs nothing. Under `share_launchers`, only
+    the launchers this process is the first to claim."""
     from triton.runtime import driver
 
     for kernel in compiled if isinstance(compiled, list) else [compiled]:
-        if kernel is not None:  # (a test's stand-in for a kernel compiles nothing)
+        if kernel is not None and first_to_claim(kernel):  # (None: a test's stand-in)
             driver.active.launcher_cls(kernel.src, kernel.metadata)
+
+
+def share_launchers(claims: Path) -> None:
+    """From now on `build_launchers` builds a launcher only where no other process sharing
+    the folder `claims` has claimed its kind: one C compile per kind among the precompile
+    workers of a start, not one per worker."""
+    _claims[:] = [claims]
+
+
+def first_to_claim(kernel: Any) -> bool:
+    """Whether this process should build `kernel`'s launcher: always, unless `share_launchers`
+    was called; then only if it is the first to claim the kernel's argument types (what the
+    launcher's C source is made of), by creating a file named for them."""
+    if not _claims:
+        return True
+    kinds = repr(tuple(kernel.src.signature.values())).encode()
+    try:
+        os.close(
+            os.open(_claims[0] / hashlib.sha256(kinds).hexdigest()[:24], os.O_CREAT | os.O_EXCL)
+        )
+    except FileExistsError:
+        return False
+    return True

@@ -8,7 +8,9 @@ interpreters: CUDA does not survive a fork) compile those variants into the same
 TRITON_CACHE_DIR through Triton's ahead-of-time path (`consumer/kernels/launch.py`: the
 kernel's `warmup`, no launch), while the consumer imports and loads its weights. Before its
 warm-up, `run` waits for them (the `compile` phase of `consumer.ready`), and the warm-up then
-finds every variant in the cache.
+finds every variant in the cache. Each kernel's host-side launcher is built there too (a C
+module per kind of argument list on Triton up to 3.6, which a first launch would otherwise
+compile in the warm-up), once per kind among the workers (`launch.share_launchers`).
 
 The variants come from the warm-up's own plan (`warmup.plan`: the head-pass groups of every
 warm-up batch) and the model's shape (vocabulary shard, MLP width, heads), through each
@@ -26,6 +28,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -208,12 +211,14 @@ class Precompile:
         *,
         plan: str,
         skipped: str = "",
+        claims: str | None = None,
     ) -> None:
         self.procs = procs
         self.started = started
         self.errs = errs  # each worker's stderr
         self.plan = plan  # Job.digest(): sealed into the cache once the warm-up ran
         self.skipped = skipped  # why no worker was started, if none was
+        self.claims = claims  # the workers' launcher claims, removed once they are done
 
     def _last_line(self, i: int) -> str:
         self.errs[i].seek(0)
@@ -257,6 +262,9 @@ class Precompile:
             log.debug("precompile.skipped", reason="the sealed compile cache holds this plan")
             return cls([], time.monotonic(), [], plan=plan, skipped="cached")
         env = dict(environ)
+        # One folder per start in which the workers claim the launchers they build (each
+        # kind once: consumer/kernels/launch.py, `share_launchers`).
+        claims = tempfile.mkdtemp(prefix="tq-launchers-")
         argv = [sys.executable, "-m", "consumer.serve.precompile", job.to_json()]
         # stderr to files, not pipes: nobody reads a pipe until the wait, and a worker whose
         # pipe filled up (Triton's warnings) would stop compiling.
@@ -266,7 +274,7 @@ class Precompile:
         ]
         procs = [
             subprocess.Popen(
-                [*argv, str(i)],
+                [*argv, str(i), claims],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -275,7 +283,7 @@ class Precompile:
             for i, err in enumerate(errs)
         ]
         log.debug("precompile.started", workers=workers, tp_rank=job.tp_rank)
-        return cls(procs, time.monotonic(), errs, plan=plan)
+        return cls(procs, time.monotonic(), errs, plan=plan, claims=claims)
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
         """Wait for every worker (stopping those still running after `timeout_s`); returns
@@ -292,8 +300,7 @@ class Precompile:
                 continue
             if proc.returncode != 0:
                 failed.append(f"worker {i}: exit {proc.returncode}: {self._last_line(i)}")
-        for err in self.errs:
-            err.close()
+        self._close()
         if failed:
             log.warning(
                 "precompile.failed",
@@ -314,13 +321,24 @@ class Precompile:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+        self._close()
+
+    def _close(self) -> None:
         for err in self.errs:
             err.close()
+        if self.claims is not None:
+            shutil.rmtree(self.claims, ignore_errors=True)
 
 
-def _worker(job: Job, index: int) -> int:
-    """One worker: rebuild the plan, compile every `workers`-th variant from `index`."""
+def _worker(job: Job, index: int, claims: str | None = None) -> int:
+    """One worker: rebuild the plan, compile every `workers`-th variant from `index`, and
+    build the launchers of those no other worker sharing `claims` has claimed."""
     import torch
+
+    from consumer.kernels import launch
+
+    if claims is not None:
+        launch.share_launchers(Path(claims))
 
     if not torch.cuda.is_available():
         return 0
@@ -374,4 +392,4 @@ def model_shape(path: str | None) -> tuple[Any, bool]:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(Job(**json.loads(sys.argv[1])), int(sys.argv[2])))
+    sys.exit(_worker(Job(**json.loads(sys.argv[1])), int(sys.argv[2]), *sys.argv[3:4]))

@@ -19,8 +19,12 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parents[2]
 COMPILE = """
+import sys
+from pathlib import Path
 import torch
-from consumer.kernels import swiglu
+from consumer.kernels import launch, swiglu
+if len(sys.argv) > 1:  # as a precompile worker: launchers claimed in a shared folder
+    launch.share_launchers(Path(sys.argv[1]))
 swiglu.precompile(ffn=1408, dtype=torch.bfloat16)
 """
 LAUNCH = """
@@ -37,13 +41,16 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
-def test_a_launch_after_precompile_builds_nothing(tmp_path: Path) -> None:
-    cache = tmp_path / "triton"
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_launch_after_precompile_builds_nothing(tmp_path: Path, shared: bool) -> None:
+    cache, claims = tmp_path / "triton", tmp_path / "claims"
+    claims.mkdir()
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
     for code in (COMPILE, LAUNCH):
         if code is LAUNCH:
             compiled = _files(cache)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        argv = [sys.executable, "-c", code, *([str(claims)] if shared and code is COMPILE else [])]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
     assert compiled, "the compile-only call wrote nothing"
     assert _files(cache) == compiled  # the launch found its kernel and launcher in the cache

@@ -11,6 +11,8 @@ RoPE, on real CPU tensors of the model's shapes) must each match a compile of th
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
@@ -329,3 +331,39 @@ def test_plan_covers_the_expert_gemms_and_latent_attention(
     assert {"_expert_gemm_kernel", "_mla_qkv_kernel"} <= launched
     missing = seen["launched"] - seen["compiled"]
     assert not missing, f"{len(missing)} launches not in the plan, e.g. {sorted(missing)[0]}"
+
+
+def test_workers_sharing_a_folder_build_each_kind_of_launcher_once(tmp_path, monkeypatch) -> None:
+    """With `share_launchers`, a launcher is built by the first process to claim its argument
+    types (what its C source is made of): another kernel of the same types, in this process or
+    another one sharing the folder, builds none; without it, every kernel builds its own."""
+    from types import SimpleNamespace
+
+    from consumer.kernels import launch
+
+    def kernel(*kinds: str) -> SimpleNamespace:
+        return SimpleNamespace(src=SimpleNamespace(signature=dict(enumerate(kinds))))
+
+    a, same_as_a, b = kernel("*bf16", "i32"), kernel("*bf16", "i32"), kernel("*fp32", "i32")
+    monkeypatch.setattr(launch, "_claims", [])
+    assert launch.first_to_claim(a) and launch.first_to_claim(same_as_a)
+    launch.share_launchers(tmp_path)
+    assert [launch.first_to_claim(k) for k in (a, same_as_a, b, a)] == [True, False, True, False]
+    other = subprocess.run(  # a second worker, sharing the folder
+        [sys.executable, "-c", CLAIM_IN_ANOTHER_PROCESS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert other.stdout.split() == ["False", "True"]
+
+
+CLAIM_IN_ANOTHER_PROCESS = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from consumer.kernels import launch
+launch.share_launchers(Path(sys.argv[1]))
+for kinds in (("*bf16", "i32"), ("*fp16", "i64")):
+    print(launch.first_to_claim(SimpleNamespace(src=SimpleNamespace(signature=dict(enumerate(kinds))))))
+"""
