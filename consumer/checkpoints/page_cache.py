@@ -30,6 +30,9 @@ def populate(mapped: mmap.mmap, start: int, end: int) -> bool:
     if not _populate_works:
         return False
     aligned = start - start % mmap.PAGESIZE
+    end = min(end, len(mapped))  # (a header may promise more than a truncated file holds)
+    if end <= aligned:
+        return True
     address = _address(mapped)
     try:
         if address is None:  # a read-only map: ctypes cannot take its address

@@ -217,6 +217,9 @@ def test_populate_asks_the_kernel_about_the_maps_own_bytes(data_file):
         assert ctypes.string_at(address + 5 * MIB, 64) == mapped[5 * MIB : 5 * MIB + 64]
         assert page_cache.populate(mapped, 2 * MIB + 1, 3 * MIB)
         assert cached_pages(data_file, 2 * MIB, 3 * MIB) == MIB // mmap.PAGESIZE
+        # past the file's end (a truncated checkpoint): what there is, as mmap.madvise would
+        assert page_cache.populate(mapped, len(mapped) - MIB, len(mapped) + MIB)
+        assert page_cache.populate(mapped, len(mapped) + MIB, len(mapped) + 2 * MIB)
     with open(data_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         assert page_cache._address(mapped) is None  # read-only: mmap.madvise instead
         assert page_cache.populate(mapped, 0, MIB)
