@@ -24,6 +24,7 @@ time: the warm-up compiles what is missing, and one warning line says which work
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -48,6 +49,9 @@ log = structlog.get_logger("teacherq.consumer")
 # compile: a fresh 1.5B start on an H200 host (16 cores) was ready in 23.7 s with 4 workers,
 # 19.0 s with 8 and 21.8 s with 15 (one start each, docs/benchmarks.md, run 6).
 MAX_WORKERS = 8
+SUMMARY = "teacherq-precompile-summary "
+"""What starts a worker's last stderr line: then, as JSON, its seconds importing and building
+the plan (`import_s`), compiling (`compile_s`), its variant count and its slowest variant."""
 FP8_TOKEN_CLASSES = (1, 16, 17)  # token counts Triton tells apart: 1, multiples of 16, others
 
 
@@ -220,10 +224,22 @@ class Precompile:
         self.skipped = skipped  # why no worker was started, if none was
         self.claims = claims  # the workers' launcher claims, removed once they are done
 
-    def _last_line(self, i: int) -> str:
+    def _lines(self, i: int) -> list[str]:
         self.errs[i].seek(0)
-        lines = self.errs[i].read().decode(errors="replace").strip().splitlines()
+        return self.errs[i].read().decode(errors="replace").strip().splitlines()
+
+    def _last_line(self, i: int) -> str:
+        """Worker i's last stderr line other than its summary (why it failed)."""
+        lines = [line for line in self._lines(i) if not line.startswith(SUMMARY)]
         return lines[-1] if lines else ""
+
+    def _summary(self, i: int) -> dict[str, Any] | None:
+        """Worker i's `SUMMARY`, None where it wrote none (stopped, or no CUDA)."""
+        for line in reversed(self._lines(i)):
+            if line.startswith(SUMMARY):
+                with contextlib.suppress(ValueError):
+                    return json.loads(line.removeprefix(SUMMARY))
+        return None
 
     @classmethod
     def start(
@@ -290,6 +306,7 @@ class Precompile:
         what the start-up log reports. One warning line if any worker failed."""
         deadline = self.started + timeout_s
         failed: list[str] = []
+        summaries: list[dict[str, Any]] = []
         for i, proc in enumerate(self.procs):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -298,9 +315,14 @@ class Precompile:
                 proc.wait()
                 failed.append(f"worker {i}: still compiling after {timeout_s:g} s")
                 continue
+            summary = self._summary(i)
+            if summary is not None:
+                summaries.append(summary)
             if proc.returncode != 0:
                 failed.append(f"worker {i}: exit {proc.returncode}: {self._last_line(i)}")
         self._close()
+        if summaries:
+            log.debug("precompile.workers", workers=summaries)
         if failed:
             log.warning(
                 "precompile.failed",
@@ -313,6 +335,12 @@ class Precompile:
             "failed": len(failed),
             "seconds": round(time.monotonic() - self.started, 3),
             **({"skipped": self.skipped} if self.skipped else {}),
+            # each worker's own seconds (import and plan, compiling): where the slowest went
+            **(
+                {"worker_s": [[w.get("import_s"), w.get("compile_s")] for w in summaries]}
+                if summaries
+                else {}
+            ),
         }
 
     def stop(self) -> None:
@@ -332,7 +360,9 @@ class Precompile:
 
 def _worker(job: Job, index: int, claims: str | None = None) -> int:
     """One worker: rebuild the plan, compile every `workers`-th variant from `index`, and
-    build the launchers of those no other worker sharing `claims` has claimed."""
+    build the launchers of those no other worker sharing `claims` has claimed. Its last
+    stderr line is a `SUMMARY` of where its seconds went."""
+    began = time.monotonic()
     import torch
 
     from consumer.kernels import launch
@@ -367,12 +397,25 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         ep=job.ep,
     )
     failures = 0
-    for variant in variants[index :: job.workers]:
+    mine = variants[index :: job.workers]
+    ready = time.monotonic()
+    slowest = ("", 0.0)
+    for variant in mine:
+        start = time.monotonic()
         try:
             compile_variant(variant)
         except Exception as exc:  # noqa: BLE001 - reported, and the warm-up compiles it
             failures += 1
             sys.stderr.write(f"{variant.name()}: {type(exc).__name__}: {exc}\n")
+        took = time.monotonic() - start
+        slowest = max(slowest, (variant.name(), took), key=lambda named: named[1])
+    summary = {
+        "import_s": round(ready - began, 3),
+        "compile_s": round(time.monotonic() - ready, 3),
+        "variants": len(mine),
+        "slowest": [slowest[0], round(slowest[1], 3)],
+    }
+    sys.stderr.write(SUMMARY + json.dumps(summary) + "\n")
     return 1 if failures else 0
 
 

@@ -11,6 +11,7 @@ RoPE, on real CPU tensors of the model's shapes) must each match a compile of th
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -204,21 +205,35 @@ def _workers(*codes: str) -> precompile.Precompile:
     return precompile.Precompile(procs, time.monotonic(), errs, plan="test")
 
 
+def _summary(import_s: float, compile_s: float) -> str:
+    """Python that writes a worker's summary line, as `_worker` ends."""
+    line = precompile.SUMMARY + json.dumps(
+        {"import_s": import_s, "compile_s": compile_s, "variants": 3, "slowest": ["x", 1.0]}
+    )
+    return f"import sys; sys.stderr.write({line!r} + '\\n')"
+
+
 def test_a_failed_worker_costs_one_warning_line() -> None:
     """The consumer goes on when a worker fails: `wait` reports it in one warning naming the
-    worker and its last stderr line; a worker still compiling at the timeout is stopped."""
+    worker and its last stderr line before its summary; a worker still compiling at the
+    timeout is stopped. The workers' summaries give each one's seconds."""
     import structlog
 
     workers = _workers(
-        "pass",
-        "import sys; sys.stderr.write('rowstats n=4: CompilationError: boom\\n'); sys.exit(1)",
+        _summary(4.5, 2.25),
+        "import sys; sys.stderr.write('rowstats n=4: CompilationError: boom\\n'); "
+        + _summary(4.0, 3.5).removeprefix("import sys; ")
+        + "; sys.exit(1)",
     )
     with structlog.testing.capture_logs() as logs:
         got = workers.wait(timeout_s=60)
     assert got["workers"] == 2 and got["failed"] == 1
+    assert got["worker_s"] == [[4.5, 2.25], [4.0, 3.5]]
     [warning] = [e for e in logs if e["log_level"] == "warning"]
     assert warning["event"] == "precompile.failed"
     assert warning["failed"] == ["worker 1: exit 1: rowstats n=4: CompilationError: boom"]
+    [debug] = [e for e in logs if e["event"] == "precompile.workers"]
+    assert [w["variants"] for w in debug["workers"]] == [3, 3]
 
     slow = _workers("import time; time.sleep(60)")
     with structlog.testing.capture_logs() as logs:
@@ -367,3 +382,24 @@ launch.share_launchers(Path(sys.argv[1]))
 for kinds in (("*bf16", "i32"), ("*fp16", "i64")):
     print(launch.first_to_claim(SimpleNamespace(src=SimpleNamespace(signature=dict(enumerate(kinds))))))
 """
+
+
+KERNEL_MODULES = {"rowstats", "swiglu", "rope", "fp8_quant", "expert_gemm", "mla_rope"}
+
+
+def test_a_worker_ends_with_its_summary(monkeypatch, capfd) -> None:
+    """A worker's last stderr line is its summary, also when its compiles fail (here: no
+    GPU driver for Triton, the device check alone said CUDA), after one line per failure."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    job = precompile.Job(
+        model_path=None, tp=1, tp_rank=0, dtype="bfloat16", max_top_k=4, max_sample_n=2,
+        token_budget=256, full=True, workers=2,
+    )  # fmt: skip
+    assert precompile._worker(job, 1) == 1  # every compile failed: no driver
+    *before, last = capfd.readouterr().err.strip().splitlines()
+    assert last.startswith(precompile.SUMMARY)
+    summary = json.loads(last.removeprefix(precompile.SUMMARY))
+    failed = [line.split(": ")[0] for line in before if line.split(" ")[0] in KERNEL_MODULES]
+    assert summary["variants"] == len(failed) > 0  # (an error's message may span lines)
+    assert summary["slowest"][0] in failed
+    assert summary["import_s"] >= 0 and summary["compile_s"] >= summary["slowest"][1]
