@@ -118,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "pass of every output), same_shape (update in place), other_shape (update rebuilt); "
         "none: time to ready only",
     )
+    p.add_argument(
+        "--starts",
+        default="cold,shared,pulled,warm",
+        help="which starts to measure, comma-separated, in that order (`cold` first: the "
+        "others use what it leaves)",
+    )
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     p.add_argument(
         "--drop-page-cache",
@@ -493,14 +499,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         client = TeacherClient(settings)
         starts = {}
-        for name, cache, machine in STARTS:
+        wanted = [(n, c, m) for n, c, m in STARTS if n in args.starts.split(",")]
+        for name, cache, machine in wanted:
             if name == "shared":  # the sealed cache, as another machine finds it on the volume
                 shutil.copytree(run / "compile-cache", run / cache)
             consumer, starts[name] = start(name, settings, run, cache, machine, args)
             print(f"# ready ({name}): {starts[name]}", flush=True)
             if name == "cold":  # its archive stored before the "pulled" machine looks
                 consumer.wait_event("compile_cache.pushed", 1, args.timeout)
-            if name != "warm":
+            if (name, cache, machine) != wanted[-1]:
                 consumer.stop()
         if args.prefetch_too:
             consumer = prefetch_starts(consumer, settings, run, args, starts)

@@ -217,12 +217,15 @@ def _vocab_rows(spec: ModelSpec, name: str, layout: ParallelLayout) -> Reader:
 
     def read(ckpt: HfCheckpoint) -> torch.Tensor:
         real = slice(want.start, min(want.stop, spec.vocab_size))
-        rows = ckpt.read(name, rows=real) if real.start < real.stop else None
-        dtype, device = (rows.dtype, rows.device) if rows is not None else (torch.float32, "cpu")
-        out = torch.zeros(want.stop - want.start, spec.hidden_size, dtype=dtype, device=device)
-        if rows is not None:
-            out[: rows.shape[0]] = rows
-        return out
+        size = want.stop - want.start
+        if real.start >= real.stop:  # a shard of padding rows only
+            return torch.zeros(size, spec.hidden_size)
+        rows = ckpt.read(name, rows=real)
+        if rows.shape[0] == size:
+            return rows
+        pad = torch.zeros(size - rows.shape[0], spec.hidden_size, dtype=rows.dtype,
+                          device=rows.device)  # fmt: skip
+        return hf_files.cat([rows, pad])
 
     return read
 
@@ -333,7 +336,6 @@ def load_hf_weights(
         raise RuntimeError(f"parameter mismatch: no reader for {unloaded}, no parameter {unknown}")
     loads = [(name, read) for name, read in readers.items() if name not in in_fp8]
     device = next(iter(params.values())).device
-    writer = ParamWriter(device)
     plan = read_plan(ckpt, [read for _, read in loads]) if read_threads > 0 else []
     if read_direct is None:
         read_direct = direct_read.choose(plan, device)
@@ -343,10 +345,11 @@ def load_hf_weights(
         else None
     )
     ahead = (stage or read_ahead(ckpt, plan, threads=read_threads)).start()
+    writer = ParamWriter(device, progress=ahead.progress)  # the read-ahead follows the copy
     try:
         for i, (name, read) in enumerate(loads):
-            with phase("read"):
-                shard = read(stage.view(i) if stage else ckpt)
+            with phase("read"), hf_files.joined_lazily():
+                shard = read(stage.view(i) if stage else ckpt)  # parts joined on the device
             param = params[name]
             if tuple(shard.shape) != tuple(param.shape):
                 raise CheckpointError(

@@ -12,13 +12,18 @@ import json
 import math
 import mmap
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 
 from consumer.checkpoints import hf_fp8
 from consumer.checkpoints.validate import CheckpointError
+from consumer.forward.weight_copy import Joined
+
+_LAZY: ContextVar[bool] = ContextVar("teacherq_joined_lazily", default=False)
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -209,21 +214,33 @@ def _flat_index(shape: Sequence[int], index: Sequence[int]) -> int:
     return flat
 
 
-def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    """`torch.cat` for the loader's readers; meta tensors (what a read plan's reads return:
-    `parallel_read.PlanView`) are joined by their shapes alone. torch's own meta `cat` runs a
-    Python reference that imports `torch._dynamo` on first use: 0.45 s of a CPU consumer's
-    start on the development machine, for a plan's shapes. (A CUDA consumer imports it anyway,
-    with torch's varlen attention module.)"""
+@contextmanager
+def joined_lazily() -> Iterator[None]:
+    """Inside, `cat` and `stack` return a `Joined` of their parts (copied into place by the
+    loader's `ParamWriter`) instead of joining them on the host."""
+    token = _LAZY.set(True)
+    try:
+        yield
+    finally:
+        _LAZY.reset(token)
+
+
+def cat(parts: Sequence[torch.Tensor | Joined], dim: int = 0) -> torch.Tensor | Joined:
+    """`torch.cat` for the loader's readers. Meta tensors (what a read plan's reads return:
+    `parallel_read.PlanView`) are joined by their shapes alone: torch's own meta `cat` runs a
+    Python reference that imports `torch._dynamo` on first use, 0.45 s of a CPU consumer's
+    start on the development machine, for a plan's shapes. Under `joined_lazily`, a `Joined`."""
     first = parts[0]
+    if _LAZY.get() and not first.is_meta:
+        return Joined(list(parts), dim)
     if not first.is_meta:
-        return torch.cat(list(parts), dim)
+        return torch.cat([p.tensor() if isinstance(p, Joined) else p for p in parts], dim)
     shape = list(first.shape)
     shape[dim] = sum(p.shape[dim] for p in parts)
     return torch.empty(shape, dtype=first.dtype, device="meta")
 
 
-def stack(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+def stack(parts: Sequence[torch.Tensor | Joined], dim: int = 0) -> torch.Tensor | Joined:
     """`torch.stack` for the loader's readers: `cat` of the parts, each given the new
     dimension (a view, meta or not)."""
     return cat([p.unsqueeze(dim) for p in parts], dim)

@@ -132,6 +132,10 @@ class ReaderThreads:
         """Whether `chunk` is read now, skipped, or waited for (called holding `_cond`)."""
         raise NotImplementedError
 
+    def progress(self, nbytes: int) -> None:
+        """The loader has copied `nbytes` more (`ParamWriter`'s `progress`); a reader paced
+        by it moves on (`ReadAhead`)."""
+
     def _work(self) -> None:
         raise NotImplementedError
 
@@ -199,6 +203,7 @@ class ReadAhead(ReaderThreads):
         """Chunks whose read failed (left to the loader)."""
         self._done_group = -1
         self._consumed = 0
+        self._within = 0  # bytes the loader has read of the group it is in (`progress`)
         self._chunk = chunk
 
     _name = "tq-read-ahead"
@@ -208,12 +213,22 @@ class ReadAhead(ReaderThreads):
         with self._cond:
             self._done_group = max(self._done_group, group)
             self._consumed = self._ends[group] if self._ends else 0
+            self._within = 0
+            self._cond.notify_all()
+
+    def progress(self, nbytes: int) -> None:
+        """The loader has read `nbytes` more of the group after the last one `advance` named:
+        the window moves on inside a group too. A group can be far larger than the window (a
+        DeepSeek-V3 layer's experts: 15 GB); counted by groups alone, the threads stopped
+        `window` bytes into it and left the rest to the loader's page faults, one at a time."""
+        with self._cond:
+            self._within += nbytes
             self._cond.notify_all()
 
     def _admit(self, chunk: _Chunk) -> Verdict:
         if chunk.group <= self._done_group:
             return "skip"  # the loader is past it
-        return "take" if chunk.offset - self._consumed < self.window else "wait"
+        return "take" if chunk.offset - self._consumed - self._within < self.window else "wait"
 
     def _work(self) -> None:
         buffer: bytearray | None = None  # for pread, made at its first use

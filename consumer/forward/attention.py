@@ -42,6 +42,14 @@ on the device agrees with the varlen path (`cudnn_long_documents`), never while 
 records, and left for the rest of the run if cuDNN raises. Packs with a shared prompt keep the
 one varlen call. cuDNN's ragged kernel (one call over a pack's cumulative lengths) is not used
 for the other packs: it ran at 0.06-0.18x of the flash call on an H100 (bench/attention_kernels.py).
+
+Latent attention (DeepSeek-V3: q/k 192 dims, v 128) takes a Triton kernel of its own for the
+packs of plain documents that do not go to cuDNN (consumer/kernels/mla_attention.py): v at its
+own width (the flash call multiplies by 64 dims of padding zeros), the 192-dim q.k product as
+two dots. 1.8x the flash call on an H100 on packs of 512-4096-token documents (436 against
+243 useful TFLOP/s; docs/benchmarks.md). Its work list of query tiles is built once per
+forward on the host (`TreeBounds.mla_tiles`). If the kernel raises (a GPU it does not compile
+for), the flash call serves for the rest of the run.
 """
 
 from __future__ import annotations
@@ -89,6 +97,7 @@ class TreeBounds(PackedSeqParams):
     rope: tuple[Tensor, Tensor] | None = field(default=None, compare=False, repr=False)
     varlen: VarlenLayout | None = field(default=None, compare=False, repr=False)
     pieces: tuple[Piece, ...] | None = field(default=None, compare=False, repr=False)
+    mla_tiles: Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_segments(
@@ -268,6 +277,7 @@ def varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 LONG_DOCUMENT = 4096  # rows from which a one-document pack takes the cuDNN path
 LONG_BUCKET = 1024  # its length is padded up to a multiple of this
 _CUDNN_FAILED: list[str] = []  # set by a cuDNN call that raised: varlen for the rest of the run
+_LATENT_FAILED: list[str] = []  # set by the latent attention kernel raising: varlen from then on
 
 
 @cache
@@ -407,6 +417,12 @@ class SdpaCoreAttention(nn.Module):
             except RuntimeError as exc:  # a length the probe did not meet: flash from now on
                 _CUDNN_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
                 log.warning("attention.cudnn_off", rows=query.shape[0], error=_CUDNN_FAILED[0])
+        if lay.kv_rows is None and self._latent_kernel_serves(query, key, bounds):
+            try:
+                return self._attend_latent(query, key, value, bounds)
+            except Exception as exc:  # noqa: BLE001 - a GPU it does not compile for: flash
+                _LATENT_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                log.warning("attention.latent_kernel_off", error=_LATENT_FAILED[0])
         if lay.kv_rows is not None:  # responses see their prompt: gather keys per segment
             key, value = key.index_select(0, lay.kv_rows), value.index_select(0, lay.kv_rows)
         attend = varlen_attention()
@@ -414,6 +430,33 @@ class SdpaCoreAttention(nn.Module):
         out = attend(
             query, key, value, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, scale=self.softmax_scale
         )
+        return out.reshape(query.shape[0], -1)
+
+    def _latent_kernel_serves(self, query: Tensor, key: Tensor, bounds: TreeBounds) -> bool:
+        """Whether latent attention's own kernel runs this pack of plain documents (see the
+        module doc): v narrower than q/k (`value_dim`), as many key as query heads, sizes and
+        dtype it takes, no CUDA graph recording (its tiles are copied from the host)."""
+        dv = self.value_dim
+        if dv is None or dv >= query.shape[-1] or key.shape[1] != query.shape[1]:
+            return False
+        if _LATENT_FAILED or torch.cuda.is_current_stream_capturing():
+            return False
+        if not bounds.segments or bounds.segments[-1][1] != query.shape[0]:
+            return False
+        fused = kernels.load(query.device)
+        return fused is not None and fused.mla_supports(query.shape[-1], dv, query.dtype)
+
+    def _attend_latent(self, query: Tensor, key: Tensor, value: Tensor, bounds: TreeBounds):
+        """[rows, heads x value_dim]: the pack through latent attention's kernel, v at its own
+        width (a view of the padded v it is handed)."""
+        fused = kernels.load(query.device)
+        assert fused is not None and self.value_dim is not None  # _latent_kernel_serves
+        if bounds.mla_tiles is None:  # the first layer of this forward plans it for the rest
+            lengths = [end - start for start, end, _, _ in bounds.segments]
+            bounds.mla_tiles = to_device(fused.mla_plan(lengths), query.device)
+        scale = self.softmax_scale or query.shape[-1] ** -0.5
+        value = value[..., : self.value_dim]
+        out = fused.mla_attention(query, key, value, bounds.mla_tiles, scale=scale)
         return out.reshape(query.shape[0], -1)
 
     @staticmethod

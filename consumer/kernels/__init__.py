@@ -15,6 +15,9 @@ these kernels compute the same on CUDA, faster:
   PyTorch elsewhere);
 - `mla_rope.mla_qkv`: latent attention's query, key and value rotated, concatenated and
   padded to one head size in one pass (`consumer.forward.mla.TeacherMLA`);
+- `mla_attention.mla_attention`: latent attention's packed causal attention with v at its
+  own head size (`consumer.forward.attention.SdpaCoreAttention`; 1.8x the varlen flash call
+  it replaces there);
 - `fp8_quant.quantize_activations_padded`: an FP8 linear's input quantized per token and
   128-channel group, padded and laid out as cuBLAS's block-scaled GEMM reads it
   (`consumer.forward.fp8_gemm`).
@@ -48,6 +51,9 @@ class Kernels:
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     fp8_quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     mla_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    mla_attention: Callable[..., torch.Tensor]  # mla_attention.mla_attention
+    mla_plan: Callable[..., torch.Tensor]  # mla_attention.plan
+    mla_supports: Callable[[int, int, torch.dtype], bool]  # mla_attention.supports
 
 
 def load(device: torch.device) -> Kernels | None:
@@ -63,7 +69,7 @@ def triton_kernels() -> Kernels | None:
     """The kernels whatever the device (Triton's CPU interpreter, TRITON_INTERPRET=1, runs
     them on CPU tensors), or None when Triton does not import. Loaded once."""
     try:
-        from consumer.kernels import fp8_quant, mla_rope, rope, rowstats, swiglu
+        from consumer.kernels import fp8_quant, mla_attention, mla_rope, rope, rowstats, swiglu
     except ImportError:  # no Triton here: the reference path serves CUDA as well
         return None
     return Kernels(
@@ -73,4 +79,7 @@ def triton_kernels() -> Kernels | None:
         rope=rope.rope,
         fp8_quantize=fp8_quant.quantize_activations_padded,
         mla_qkv=mla_rope.mla_qkv,
+        mla_attention=mla_attention.mla_attention,
+        mla_plan=mla_attention.plan,
+        mla_supports=mla_attention.supports,
     )

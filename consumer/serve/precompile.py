@@ -152,6 +152,13 @@ def plan(
                   ("latent", spec.kv_lora_rank), ("dtype", dtype),
                   ("interleaved", spec.rope_interleave))  # fmt: skip
         variants[Variant("mla_rope", params)] = None
+        from consumer.kernels.mla_attention import supports
+
+        qk, v = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim
+        if v < qk and supports(qk, v, dtype):  # (the attention module's own conditions)
+            params = (("heads", spec.num_attention_heads // tp), ("qk_dim", qk),
+                      ("v_dim", v), ("dtype", dtype))  # fmt: skip
+            variants[Variant("mla_attention", params)] = None
     if fp8:
         widths = {spec.hidden_size, spec.num_attention_heads // tp * spec.kv_channels}
         widths.add(spec.ffn_hidden_size // tp)
@@ -359,7 +366,7 @@ class Precompile:
 
 
 def _worker(job: Job, index: int, claims: str | None = None) -> int:
-    """One worker: rebuild the plan, compile every `workers`-th variant from `index`, and
+    """One worker: rebuild the plan, compile its share of the variants (`_shares`), and
     build the launchers of those no other worker sharing `claims` has claimed. Its last
     stderr line is a `SUMMARY` of where its seconds went."""
     began = time.monotonic()
@@ -397,10 +404,11 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         ep=job.ep,
     )
     failures = 0
-    mine = variants[index :: job.workers]
+    compiled = 0
     ready = time.monotonic()
     slowest = ("", 0.0)
-    for variant in mine:
+    for variant in _shares(variants, index, job.workers, claims):
+        compiled += 1
         start = time.monotonic()
         try:
             compile_variant(variant)
@@ -412,11 +420,27 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     summary = {
         "import_s": round(ready - began, 3),
         "compile_s": round(time.monotonic() - ready, 3),
-        "variants": len(mine),
+        "variants": compiled,
         "slowest": [slowest[0], round(slowest[1], 3)],
     }
     sys.stderr.write(SUMMARY + json.dumps(summary) + "\n")
     return 1 if failures else 0
+
+
+def _shares(variants: list[Variant], index: int, workers: int, claims: str | None):
+    """The variants worker `index` of `workers` compiles. With a claims folder, each takes
+    the next variant no worker has claimed yet, so a worker that drew quick ones takes more
+    (a fixed share, every `workers`-th variant, left one 1.5B start's workers finishing
+    after 5.6-5.9 s or 8.5-9.7 s: docs/benchmarks.md, cold-start run 15); without, that
+    fixed share."""
+    if claims is None:
+        yield from variants[index::workers]
+        return
+    from consumer.kernels.launch import claim
+
+    for variant in variants:
+        if claim(Path(claims), f"variant {variant.kernel} {variant.params!r}"):
+            yield variant
 
 
 def model_shape(path: str | None) -> tuple[Any, bool]:

@@ -39,3 +39,36 @@ def test_a_direct_load_equals_the_page_cache_load(hf_checkpoint, layout, family)
     for name, param in loaded[0].items():
         assert not param.isnan().any(), name
         assert torch.equal(loaded[1][name], param), name
+
+
+def test_the_writer_streams_pieces_through_its_buffers_exactly(monkeypatch):
+    from consumer.forward import weight_copy
+
+    monkeypatch.setattr(weight_copy, "PIECE_BYTES", 4096)  # many pieces, every buffer reused
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(40, 300, generator=gen).to(torch.bfloat16)
+    hosts = {
+        "rows": big,  # 600-byte rows: six rows a piece
+        "columns": big[:, 100:250],  # a strided view, as a TP shard of columns is
+        "wide rows": torch.randn(3, 5000, generator=gen).to(torch.bfloat16),  # a row a piece
+        "cast": torch.randn(7, 9, 11, generator=gen),  # float32 into bfloat16
+        "vector": torch.randn(33, generator=gen).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
+    }
+    hosts["joined by columns"] = weight_copy.Joined([big[:, :100], big[:, 100:]], 1)
+    hosts["joined by rows"] = weight_copy.Joined([big[:7], big[7:]], 0)
+    copied = []
+    writer = weight_copy.ParamWriter(torch.device("cuda"), progress=copied.append)
+    params = {}
+    for name, host in hosts.items():
+        params[name] = torch.full(host.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        writer.write(params[name], host)
+    writer.finish()
+    for name, host in hosts.items():
+        whole = host.tensor() if isinstance(host, weight_copy.Joined) else host
+        assert torch.equal(params[name].cpu(), whole.to(torch.bfloat16)), name
+    # the read-ahead is told every byte, a piece at a time
+    assert sum(copied) == sum(
+        (h.tensor() if isinstance(h, weight_copy.Joined) else h).nbytes for h in hosts.values()
+    )
+    assert max(copied) <= 10_000 * 2  # no piece above the size but a single wide row

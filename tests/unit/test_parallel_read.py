@@ -234,6 +234,20 @@ def test_reads_stay_inside_the_window(data_file):
         assert _seen(ahead) == 3 * MIB
 
 
+def test_the_window_moves_inside_a_group_as_the_loader_copies(data_file):
+    """A group far larger than the window (a MoE layer's experts): the threads stop at the
+    window's edge inside it, and go on as the loader reports what it has copied of it."""
+    one_group = [[Span(data_file, 0, 10 * MIB)]]
+    with ReadAhead(one_group, threads=4, window=2 * MIB, chunk=MIB // 4) as ahead:
+        wait_until(lambda: ahead.waiting == 4, "every thread to wait at the window's edge")
+        assert _seen(ahead) == 2 * MIB
+        ahead.progress(MIB)
+        ahead.progress(MIB // 2)
+        wait_until(lambda: _seen(ahead) == 3 * MIB + MIB // 2 and ahead.waiting == 4,
+                   "the window to move on by what was copied")  # fmt: skip
+        assert _seen(ahead) == 3 * MIB + MIB // 2
+
+
 def test_groups_the_loader_has_passed_are_skipped(data_file):
     ahead = ReadAhead(_groups(data_file), threads=2, window=64 * MIB, chunk=MIB)
     ahead.advance(5)  # the loader is past group 5 before a thread starts
