@@ -31,7 +31,7 @@ Layout conversions, Hugging Face -> megatron-core (local layer spec):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
@@ -45,7 +45,7 @@ from consumer.checkpoints.hf_config import (
     spec_from_hf_config,
     validate_hf_config,
 )
-from consumer.checkpoints.hf_files import HfCheckpoint
+from consumer.checkpoints.hf_files import HfCheckpoint, Reader, Shard
 from consumer.checkpoints.parallel_read import THREADS as READ_THREADS
 from consumer.checkpoints.parallel_read import read_ahead, read_plan
 from consumer.checkpoints.validate import CheckpointError, inventory_problems, raise_problems
@@ -172,8 +172,6 @@ def validate_hf_checkpoint(
 # --------------------------------------------------------------------------------------------
 # per-rank shards
 
-Reader = Callable[[HfCheckpoint], torch.Tensor]
-
 
 def _block(n: int, tp: int, rank: int) -> slice:
     size = n // tp
@@ -197,7 +195,7 @@ def _fused_qkv(spec: ModelSpec, prefix: str, kind: str, layout: ParallelLayout) 
     total = sum(end - start for _, start, end in segments)
     want = _block(total, layout.tp, layout.tp_rank)
 
-    def read(ckpt: HfCheckpoint) -> torch.Tensor:
+    def read(ckpt: HfCheckpoint) -> Shard:
         parts, offset = [], 0
         for name, start, end in segments:
             # this run covers fused rows [offset, offset + end - start)
@@ -215,7 +213,7 @@ def _vocab_rows(spec: ModelSpec, name: str, layout: ParallelLayout) -> Reader:
     padded = spec.padded_vocab_size(layout.tp)
     want = _block(padded, layout.tp, layout.tp_rank)
 
-    def read(ckpt: HfCheckpoint) -> torch.Tensor:
+    def read(ckpt: HfCheckpoint) -> Shard:
         real = slice(want.start, min(want.stop, spec.vocab_size))
         size = want.stop - want.start
         if real.start >= real.stop:  # a shard of padding rows only
@@ -290,7 +288,7 @@ def _cols(name: str, cols: slice) -> Reader:
 
 
 def _gate_up(prefix: str, rows: slice) -> Reader:
-    def read(ckpt: HfCheckpoint) -> torch.Tensor:
+    def read(ckpt: HfCheckpoint) -> Shard:
         gate = ckpt.read(prefix + "gate_proj.weight", rows=rows)
         up = ckpt.read(prefix + "up_proj.weight", rows=rows)
         return hf_files.cat([gate, up])

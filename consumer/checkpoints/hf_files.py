@@ -12,7 +12,7 @@ import json
 import math
 import mmap
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -24,6 +24,9 @@ from consumer.checkpoints.validate import CheckpointError
 from consumer.forward.weight_copy import Joined
 
 _LAZY: ContextVar[bool] = ContextVar("teacherq_joined_lazily", default=False)
+
+Shard = torch.Tensor | Joined
+"""What a reader returns: a tensor, or (inside `joined_lazily`) a `Joined` of tensors."""
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -225,7 +228,7 @@ def joined_lazily() -> Iterator[None]:
         _LAZY.reset(token)
 
 
-def cat(parts: Sequence[torch.Tensor | Joined], dim: int = 0) -> torch.Tensor | Joined:
+def cat(parts: Sequence[Shard], dim: int = 0) -> Shard:
     """`torch.cat` for the loader's readers. Meta tensors (what a read plan's reads return:
     `parallel_read.PlanView`) are joined by their shapes alone: torch's own meta `cat` runs a
     Python reference that imports `torch._dynamo` on first use, 0.45 s of a CPU consumer's
@@ -240,7 +243,11 @@ def cat(parts: Sequence[torch.Tensor | Joined], dim: int = 0) -> torch.Tensor | 
     return torch.empty(shape, dtype=first.dtype, device="meta")
 
 
-def stack(parts: Sequence[torch.Tensor | Joined], dim: int = 0) -> torch.Tensor | Joined:
+def stack(parts: Sequence[Shard], dim: int = 0) -> Shard:
     """`torch.stack` for the loader's readers: `cat` of the parts, each given the new
     dimension (a view, meta or not)."""
     return cat([p.unsqueeze(dim) for p in parts], dim)
+
+
+Reader = Callable[[HfCheckpoint], Shard]
+"""How to read one parameter's shard of a checkpoint (`hf.hf_shard_readers`' values)."""

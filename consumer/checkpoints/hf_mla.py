@@ -11,16 +11,10 @@ order).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
-from consumer.checkpoints.hf_files import HfCheckpoint
+from consumer.checkpoints.hf_files import Reader
 from consumer.checkpoints.validate import CheckpointError
 from consumer.forward.spec import ModelSpec
 from consumer.parallel import ParallelLayout
-
-Reader = Callable[[HfCheckpoint], torch.Tensor]
 
 # YaRN parameters carried over (with transformers' defaults where it has them; `factor` and
 # `original_max_position_embeddings` are required)

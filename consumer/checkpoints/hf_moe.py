@@ -21,13 +21,10 @@ stored FP8 slices and their scale blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from consumer.checkpoints import hf_files
-from consumer.checkpoints.hf_files import HfCheckpoint
+from consumer.checkpoints.hf_files import HfCheckpoint, Reader, Shard
 from consumer.checkpoints.validate import CheckpointError
 from consumer.forward.spec import ModelSpec
 from consumer.parallel import ParallelLayout
@@ -196,9 +193,6 @@ def sparse_layer_shapes(spec: ModelSpec, names: ExpertNames) -> dict[str, tuple[
 _SHARED_PREFIX = {"gated": "shared_expert.", "plain": "shared_experts."}
 
 
-Reader = Callable[[HfCheckpoint], torch.Tensor]
-
-
 def _block(n: int, parts: int, index: int) -> slice:
     size = n // parts
     return slice(index * size, (index + 1) * size)
@@ -216,7 +210,7 @@ def sparse_layer_readers(
     f = spec.moe_ffn_hidden_size
     cols = _block(f, etp, rank % etp)
 
-    def fc1(ckpt: HfCheckpoint) -> torch.Tensor:
+    def fc1(ckpt: HfCheckpoint) -> Shard:
         if names.fused:
             name = names.prefix + "experts.gate_up_proj"
             experts = slice(first, first + local)
@@ -230,7 +224,7 @@ def sparse_layer_readers(
             parts.append(hf_files.stack([gate, up]))
         return hf_files.stack(parts)
 
-    def fc2(ckpt: HfCheckpoint) -> torch.Tensor:
+    def fc2(ckpt: HfCheckpoint) -> Shard:
         if names.fused:
             name = names.prefix + "experts.down_proj"
             return ckpt.read_slices(name, slice(first, first + local), slice(None), cols)
@@ -253,7 +247,7 @@ def sparse_layer_readers(
         p = names.prefix + _SHARED_PREFIX[shared]
         rows = _block(spec.moe_shared_ffn_hidden_size, size, rank)
 
-        def shared_fc1(ckpt: HfCheckpoint) -> torch.Tensor:
+        def shared_fc1(ckpt: HfCheckpoint) -> Shard:
             gate = ckpt.read(p + "gate_proj.weight", rows=rows)
             return hf_files.stack([gate, ckpt.read(p + "up_proj.weight", rows=rows)])
 

@@ -366,7 +366,7 @@ class Precompile:
 
 
 def _worker(job: Job, index: int, claims: str | None = None) -> int:
-    """One worker: rebuild the plan, compile its share of the variants (`_shares`), and
+    """One worker: rebuild the plan, compile every `workers`-th variant from `index`, and
     build the launchers of those no other worker sharing `claims` has claimed. Its last
     stderr line is a `SUMMARY` of where its seconds went."""
     began = time.monotonic()
@@ -404,11 +404,10 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         ep=job.ep,
     )
     failures = 0
-    compiled = 0
+    mine = variants[index :: job.workers]
     ready = time.monotonic()
     slowest = ("", 0.0)
-    for variant in _shares(variants, index, job.workers, claims):
-        compiled += 1
+    for variant in mine:
         start = time.monotonic()
         try:
             compile_variant(variant)
@@ -420,27 +419,11 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     summary = {
         "import_s": round(ready - began, 3),
         "compile_s": round(time.monotonic() - ready, 3),
-        "variants": compiled,
+        "variants": len(mine),
         "slowest": [slowest[0], round(slowest[1], 3)],
     }
     sys.stderr.write(SUMMARY + json.dumps(summary) + "\n")
     return 1 if failures else 0
-
-
-def _shares(variants: list[Variant], index: int, workers: int, claims: str | None):
-    """The variants worker `index` of `workers` compiles. With a claims folder, each takes
-    the next variant no worker has claimed yet, so a worker that drew quick ones takes more
-    (a fixed share, every `workers`-th variant, left one 1.5B start's workers finishing
-    after 5.6-5.9 s or 8.5-9.7 s: docs/benchmarks.md, cold-start run 15); without, that
-    fixed share."""
-    if claims is None:
-        yield from variants[index::workers]
-        return
-    from consumer.kernels.launch import claim
-
-    for variant in variants:
-        if claim(Path(claims), f"variant {variant.kernel} {variant.params!r}"):
-            yield variant
 
 
 def model_shape(path: str | None) -> tuple[Any, bool]:

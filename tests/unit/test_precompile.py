@@ -405,22 +405,6 @@ def test_a_worker_ends_with_its_summary(monkeypatch, capfd) -> None:
     assert summary["import_s"] >= 0 and summary["compile_s"] >= summary["slowest"][1]
 
 
-def test_workers_sharing_a_folder_take_the_next_unclaimed_variant(tmp_path) -> None:
-    """With a claims folder each worker takes the next variant nobody has claimed: a worker
-    busy with a slow compile leaves the rest to the others, and every variant is compiled
-    once (two with the same label but another shard are two variants). Without a folder, the
-    fixed share: every `workers`-th variant."""
-    variants = [precompile.Variant("rowstats", (("n", n), ("shard", 0))) for n in range(5)]
-    variants.append(precompile.Variant("rowstats", (("n", 4), ("shard", 1))))
-    slow = precompile._shares(variants, 0, 2, str(tmp_path))
-    quick = precompile._shares(variants, 1, 2, str(tmp_path))
-    first = next(slow)  # worker 0 compiles this one for a long time...
-    rest = list(quick)  # ...while worker 1 takes everything else
-    assert first == variants[0] and rest == variants[1:]
-    assert list(slow) == []
-    assert list(precompile._shares(variants, 1, 2, None)) == variants[1::2]
-
-
 def test_the_plan_compiles_latent_attention_where_the_kernel_takes_the_sizes() -> None:
     """DeepSeek-V3's latent attention (q/k 128 + 64, v 128) gets its attention kernel's
     variant, for this rank's heads; head sizes the compiled kernel does not take (an 8-dim
