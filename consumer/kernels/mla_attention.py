@@ -70,8 +70,9 @@ class Config:
 
 # The default for Hopper (H100/H200) at DeepSeek-V3's 128 heads of 192/128 dims, chosen by
 # `bench/mla_attention.py --sweep` on an H100 (packs of 16k rows, documents of 512-4096
-# tokens): 436 useful TFLOP/s, 1.80x the varlen flash call with v padded; 2 stages 330, 64-row
-# tiles with 4 warps 317-319, 128 x 128 blocks 300 (docs/benchmarks.md). Per program: a q tile
+# tokens): 436 useful TFLOP/s, 1.80x the varlen flash call with v padded; 4 stages 423, 2
+# stages 328, 64 x 64 tiles with 4 warps 398, 128 x 128 blocks with 2 stages 392 (more stages
+# do not fit in shared memory; docs/benchmarks.md, MoE run 7). Per program: a q tile
 # of 48 KB (bf16), each pipelined key step 24 KB of k and 16 KB of v; two 64-row warpgroups
 # share the 128-row tile.
 HOPPER_CONFIG = Config(block_m=128, block_n=64, warps=8, stages=3, head_group=1)

@@ -15,31 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.interpreter import INDEX_PATCH
 from tests.timing import scaled
 
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
 
-PRELUDE = textwrap.dedent(
+PRELUDE = INDEX_PATCH + textwrap.dedent(
     """
     import dataclasses
     import sys
 
-    import numpy as np
     import torch
-    import triton.runtime.interpreter as interpreter
-
-    # Triton 3.6's interpreter turns a runtime loop bound into a Python int with
-    # int(ndarray of shape (1,)), which numpy >= 2.4 refuses; take the element instead.
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-        patch = interpreter._patch_lang_tensor
-
-        def _patched(tensor, scope):
-            patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = _patched
 
     from consumer import kernels, tp_ops
     from consumer.kernels import rowstats

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.interpreter import INDEX_PATCH
 from tests.timing import scaled
 
 pytest.importorskip("triton")
@@ -34,26 +35,13 @@ REPO = Path(__file__).resolve().parents[2]
 # Triton's interpreter keeps bf16 as raw 16-bit patterns: its dot would multiply the
 # patterns as integers, and its float32 <-> bf16 casts truncate. Here bf16 dot operands are
 # widened to float32 first and the casts round to nearest even, as the GPU does.
-PRELUDE = textwrap.dedent(
+PRELUDE = INDEX_PATCH + textwrap.dedent(
     """
     import json
     import sys
 
-    import numpy as np
     import torch
     import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    # Triton 3.6's interpreter reads a runtime loop bound with int() of a 1-element array,
-    # which numpy >= 2.4 refuses; take the element instead (later Triton does the same).
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-        _patch_tensor = interpreter._patch_lang_tensor
-
-        def _patch_tensor_index(tensor, scope):
-            _patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = _patch_tensor_index
 
     _convert = interpreter._convert_float
 
