@@ -7,20 +7,14 @@ since TRITON_INTERPRET is read when the kernels are defined.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.interpreter import INDEX_PATCH
-from tests.timing import scaled
+from tests.interpreter import INDEX_PATCH, run_interpreted
 
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parents[2]
 
 PRELUDE = INDEX_PATCH + textwrap.dedent(
     """
@@ -125,16 +119,7 @@ HEAD = textwrap.dedent(
 
 
 def _run(body: str, *args: int) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", PRELUDE + body, *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=scaled(300),
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(PRELUDE + body, *map(str, args), timeout=300)
 
 
 @pytest.mark.parametrize("margin", [0, 1, 2])

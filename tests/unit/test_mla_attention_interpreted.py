@@ -14,23 +14,16 @@ the kernels are defined. `plan` and the argument checks need no interpreter.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.interpreter import INDEX_PATCH
-from tests.timing import scaled
+from tests.interpreter import INDEX_PATCH, run_interpreted
 
 pytest.importorskip("triton")
 
 from consumer.kernels import mla_attention as ma
-
-REPO = Path(__file__).resolve().parents[2]
 
 # Triton's interpreter keeps bf16 as raw 16-bit patterns: its dot would multiply the
 # patterns as integers, and its float32 <-> bf16 casts truncate. Here bf16 dot operands are
@@ -144,16 +137,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 
 def _run(case: dict) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", PRELUDE + BODY, json.dumps(case)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=scaled(120),
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(PRELUDE + BODY, json.dumps(case), timeout=120)
 
 
 @pytest.mark.parametrize(
