@@ -152,7 +152,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the same-shape update reads hard links to the first checkpoint's files (the "
         "same bytes under another path: the reload costs the same, one checkpoint less to write)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(args.starts.split(",")) - {name for name, _, _ in STARTS}
+    if unknown:
+        p.error(f"--starts: {sorted(unknown)} are not starts; name some of cold,shared,pulled,warm")
+    return args
 
 
 def model_config(model: str, **changes: int):

@@ -89,15 +89,11 @@ def first_to_claim(kernel: Any) -> bool:
     launcher's C source is made of), by creating a file named for them."""
     if not _claims:
         return True
-    return claim(_claims[0], "launcher " + repr(tuple(kernel.src.signature.values())))
-
-
-def claim(folder: Path, key: str) -> bool:
-    """Whether this process is the first of those sharing `folder` to claim `key`: it
-    creates a file named for the key, which fails for every later claimant."""
-    name = hashlib.sha256(key.encode()).hexdigest()[:24]
+    kinds = repr(tuple(kernel.src.signature.values())).encode()
     try:
-        os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL))
+        os.close(
+            os.open(_claims[0] / hashlib.sha256(kinds).hexdigest()[:24], os.O_CREAT | os.O_EXCL)
+        )
     except FileExistsError:
         return False
     return True
