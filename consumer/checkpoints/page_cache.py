@@ -90,7 +90,7 @@ def page_cached(fd: int, at: int) -> bool:
 def cached_share(spans: Iterable[tuple[Path, int, int]], samples: int = 64) -> float | None:
     """The share of `samples` pages, spread evenly over the bytes of `spans` ((file, start,
     end)), that the page cache holds; None where it cannot be told (no `RWF_NOWAIT`). A probe
-    that misses starts reading its page, so the answer costs a few reads."""
+    that misses starts reading its page (that page alone), so the answer costs a few reads."""
     spans = [s for s in spans if s[2] > s[1]]
     total = sum(end - start for _, start, end in spans)
     if not total or not hasattr(os, "RWF_NOWAIT"):
@@ -105,6 +105,9 @@ def cached_share(spans: Iterable[tuple[Path, int, int]], samples: int = 64) -> f
                 fd = fds.get(path)
                 if fd is None:
                     fd = fds[path] = os.open(path, os.O_RDONLY)
+                    # a miss then reads its own page only: with the kernel's readahead around
+                    # it, the next probe could find its page read by this one's miss
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 probes += 1
                 hits += page_cached(fd, at)
             offset += end - start
