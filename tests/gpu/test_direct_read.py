@@ -71,4 +71,4 @@ def test_the_writer_streams_pieces_through_its_buffers_exactly(monkeypatch):
     assert sum(copied) == sum(
         (h.tensor() if isinstance(h, weight_copy.Joined) else h).nbytes for h in hosts.values()
     )
-    assert max(copied) <= 10_000 * 2  # no piece above the size but a single wide row
+    assert max(copied) <= 5000 * 2  # no piece above 4096 bytes but one wide row (5000 bf16)
