@@ -97,6 +97,8 @@ def _sweep(fp8: bool = False) -> list[tuple]:
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
         ]
         first, second = eg.FP8_TILES, eg.FP8_DOWN_TILES
+        gate_up += [Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True)]
+        down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
         gate_up = [
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=4),
@@ -115,7 +117,22 @@ def _sweep(fp8: bool = False) -> list[tuple]:
             Tiles(bm=128, bn=256, bk=64, group_m=16, warps=8, stages=3),
         ]
         first, second = eg.BF16_TILES, eg.BF16_DOWN_TILES
-    return [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
+        gate_up += [
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
+            Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=3, tma=True),
+            Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True),
+        ]
+        down += [
+            Tiles(bm=128, bn=256, bk=64, warps=8, stages=3, tma=True),
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
+            Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, tma=True),
+        ]
+    # the defaults' shapes through TMA, each GEMM alone and both together
+    gate_up.append(dataclasses.replace(first, tma=not first.tma))
+    down.append(dataclasses.replace(second, tma=not second.tma))
+    both = (gate_up[-1], down[-1])
+    pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
+    return [*pairs, both]
 
 
 def parse_args() -> argparse.Namespace:

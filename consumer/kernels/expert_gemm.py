@@ -25,6 +25,10 @@ finds its expert from the running tile count (`tile_end`, a cumulative sum on th
 exits when it lies past the last tile. The grid is sized for the worst case, cdiv(R, BM) + E
 row tiles. Programs are ordered in groups of GROUP_M row tiles (consecutive experts) that
 sweep all column tiles together, so an expert's weights are read from HBM about once.
+
+`Tiles.tma`: the weights (every expert's rows as one matrix) and the second GEMM's sorted
+rows are read through tensor descriptors (Hopper's TMA unit) instead of pointer loads; the
+first GEMM's gathered rows always take pointer loads (Hopper's TMA does not gather).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class Tiles:
     group_m: int = 8
     warps: int = 8
     stages: int = 3
+    tma: bool = False  # the weights (and the second GEMM's rows) through Hopper's TMA unit
 
 
 # Chosen by `bench/gpu_moe.py --gemm-only --sweep` on an H200 at DeepSeek-V3's expert shape
@@ -86,6 +91,8 @@ def _expert_gemm_kernel(
     n_out,
     k,
     max_m_tiles,
+    n_rows_a,
+    n_rows_b,
     stride_am,
     stride_as_m,
     stride_as_k,
@@ -108,6 +115,8 @@ def _expert_gemm_kernel(
     SCATTER: tl.constexpr,
     FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_B: tl.constexpr,
     ROUND: tl.constexpr,
     fp8_max: tl.constexpr,
     tiny: tl.constexpr,
@@ -145,6 +154,15 @@ def _expert_gemm_kernel(
 
     a_ptrs = a_ptr + src[:, None] * stride_am + depth[None, :]
     b_ptrs = b_ptr + e64 * stride_be + b_cols[None, :] * stride_bn + depth[:, None]
+    if TMA_A:  # sorted rows, read as one block (rows past the expert's are loaded, not stored)
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[n_rows_a, k], strides=[stride_am, 1], block_shape=[BM, BK]
+        )
+    if TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BN, BK]
+        )
+        b_row = e * n_rows_b + pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU: the up half's columns
     up_offset = n_out * stride_bn
@@ -153,12 +171,18 @@ def _expert_gemm_kernel(
         bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (b_cols // BK) * stride_bs_n
         bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + b_cols) // BK) * stride_bs_n
     for step in range(0, tl.cdiv(k, BK)):
-        if EVEN_K:
+        left = k - step * BK
+        if TMA_A:
+            a = a_desc.load([row_lo, step * BK])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=depth[None, :] < left, other=0.0)
+        if TMA_B:
+            b = b_desc.load([b_row, step * BK]).T
+        elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
-            left = k - step * BK
-            a = tl.load(a_ptrs, mask=depth[None, :] < left, other=0.0)
             b = tl.load(b_ptrs, mask=depth[:, None] < left, other=0.0)
         if FP8:
             a_s = tl.load(as_ptrs + step * stride_as_k)
@@ -167,7 +191,9 @@ def _expert_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         if SWIGLU:
-            if EVEN_K:
+            if TMA_B:
+                b_up = b_desc.load([b_row + n_out, step * BK]).T
+            elif EVEN_K:
                 b_up = tl.load(b_ptrs + up_offset)
             else:
                 b_up = tl.load(b_ptrs + up_offset, mask=depth[:, None] < left, other=0.0)
@@ -203,6 +229,20 @@ def _expert_gemm_kernel(
         tl.store(c_scale_ptr + dst * stride_cs_m + pid_n * stride_cs_k, scale, mask=live)
     else:
         tl.store(c_ptrs, y.to(out_ty), mask=keep)
+
+
+def _tma_ready(t: Any, rows_of: int) -> bool:
+    """Whether TMA can read `t` ([..., rows_of, K], K contiguous) as one 2-D matrix: rows in
+    one run of memory and their stride, like the address, a multiple of 16 bytes."""
+    size = t.dtype.itemsize
+    stride = t.stride()
+    flat = len(stride) == 2 or stride[0] == rows_of * stride[1]
+    return flat and stride[-1] == 1 and (stride[-2] * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the tensor descriptors a TMA launch builds on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def schedule(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +282,10 @@ def _launch(
         raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
     max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
+    tma_b = tiles.tma and _tma_ready(b, rows_of=b.shape[1])
+    tma_a = tiles.tma and a_rows is None and _tma_ready(a, rows_of=a.shape[0])
+    if tma_a or tma_b:
+        triton.set_allocator(_workspace)  # the descriptors' global scratch (a context variable)
     dummy_i = row_start
     args = (
         a,
@@ -258,6 +302,8 @@ def _launch(
         n_out,
         k,
         max_m_tiles,
+        a.shape[0],
+        b.shape[1],
         a.stride(0),
         *(a_scale.stride() if fp8 else (0, 0)),
         b.stride(0),
@@ -281,6 +327,8 @@ def _launch(
         SCATTER=c_rows is not None,
         FP8=fp8,
         EVEN_K=k % tiles.bk == 0,
+        TMA_A=tma_a,
+        TMA_B=tma_b,
         ROUND=_ROUND[act_dtype],
         fp8_max=FP8_MAX,
         tiny=_TINY,

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+import dataclasses  # noqa: E402
+
 from consumer.forward import moe_gemm  # noqa: E402
+from consumer.kernels import expert_gemm  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -31,6 +34,16 @@ SHAPES = [
     pytest.param(2048, 8, 1024, 256, 256, (7,), id="256-experts"),
     pytest.param(129, 1, 384, 384, 4, (), id="top-1"),
 ]
+
+
+@pytest.fixture(params=[False, True], ids=["pointers", "tma"])
+def tma(request, monkeypatch):
+    """Every case with the weights (and the second GEMM's rows) read by pointer, then
+    through TMA tensor descriptors, whichever the tile constants say now."""
+    for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
+        tiles = getattr(expert_gemm, name)
+        monkeypatch.setattr(expert_gemm, name, dataclasses.replace(tiles, tma=request.param))
+    return request.param
 
 
 def _routing(tokens: int, k: int, experts: int, empty: tuple[int, ...], gen):
@@ -60,7 +73,7 @@ def _reference(x, dst, counts, weights, fc1, fc2, k):
 
 @pytest.mark.parametrize("tokens,k,hidden,ffn,experts,empty", SHAPES)
 def test_bf16_kernel_is_as_close_to_float32_as_the_unfused_path(
-    tokens, k, hidden, ffn, experts, empty
+    tokens, k, hidden, ffn, experts, empty, tma
 ):
     gen = torch.Generator(device=CUDA).manual_seed(tokens + hidden)
     x = torch.randn(tokens, hidden, device=CUDA, generator=gen).bfloat16()
@@ -78,7 +91,7 @@ def test_bf16_kernel_is_as_close_to_float32_as_the_unfused_path(
 
 
 @pytest.mark.parametrize("tokens,experts,empty", [(1, 4, ()), (200, 8, (2,)), (1024, 64, (0,))])
-def test_fp8_kernel_matches_its_quantized_operands_in_float32(tokens, experts, empty):
+def test_fp8_kernel_matches_its_quantized_operands_in_float32(tokens, experts, empty, tma):
     hidden, ffn, k = 512, 256, 4
     gen = torch.Generator(device=CUDA).manual_seed(tokens)
     x = torch.randn(tokens, hidden, device=CUDA, generator=gen).bfloat16()

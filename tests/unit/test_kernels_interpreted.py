@@ -178,11 +178,14 @@ EXPERTS = textwrap.dedent(
 
     interpreter.InterpreterBuilder.create_dot = widened_dot
 
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm = args
-    if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
-        from consumer.kernels import expert_gemm as eg
+    from consumer.kernels import expert_gemm as eg
 
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma = args
+    if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
         eg.BF16_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=64, warps=8, stages=3)
+    if tma:  # the weights, and the second GEMM's sorted rows, read through tensor descriptors
+        for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
+            setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=True))
     gen = torch.Generator().manual_seed(tokens + hidden)
     dtype = torch.float16 if half else torch.bfloat16
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -215,18 +218,20 @@ EXPERTS = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm"),
+    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma"),
     [
-        (37, 2, 200, 72, 5, 1, 0, 0, 0),  # depths not a multiple of the tile or of 128
-        (1, 2, 64, 32, 4, 3, 0, 1, 0),  # one token, fp16
-        (150, 2, 256, 128, 3, 0, 1, 0, 0),  # FP8 block-quantized experts, two row tiles
-        (70, 2, 300, 72, 4, 2, 0, 0, 64),  # the down GEMM on 64 x 256 tiles, a partial one
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
+        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0),  # one token, fp16
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
+        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0),  # the down GEMM on 64 x 256 tiles, a partial one
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1),  # through TMA: blocks past the depth and the rows
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1),  # FP8 through TMA
     ],
 )
 def test_expert_gemm_kernels_match_the_unfused_path(
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma
 ):
-    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm)
+    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma)
 
 
 # Latent attention's q, k, v for the flash kernel (consumer/kernels/mla_rope.py) against the
