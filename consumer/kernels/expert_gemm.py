@@ -75,6 +75,25 @@ BF16_DOWN_TILES = Tiles(bm=128, bn=256, bk=64, warps=8, stages=4)
 FP8_DOWN_TILES = FP8_TILES
 
 
+@triton.jit
+def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.constexpr,
+             EVEN_K: tl.constexpr, RIGHT: tl.constexpr):  # fmt: skip
+    """One BK-deep step of a GEMM operand: through its tensor descriptor from `row` (TMA; past
+    the depth reads zeros), else through its pointers, masked past the depth unless EVEN_K.
+    RIGHT: the [BK, N] layout of tl.dot's right operand (stored [N, K])."""
+    if TMA:
+        tile = desc.load([row, step * BK])
+        if RIGHT:
+            tile = tile.T
+    elif EVEN_K:
+        tile = tl.load(ptrs)
+    elif RIGHT:
+        tile = tl.load(ptrs, mask=depth[:, None] < left, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=depth[None, :] < left, other=0.0)
+    return tile
+
+
 @triton.jit(do_not_specialize=["max_m_tiles"])  # it follows the batch's row count
 def _expert_gemm_kernel(
     a_ptr,
@@ -154,6 +173,9 @@ def _expert_gemm_kernel(
 
     a_ptrs = a_ptr + src[:, None] * stride_am + depth[None, :]
     b_ptrs = b_ptr + e64 * stride_be + b_cols[None, :] * stride_bn + depth[:, None]
+    a_desc = a_ptr  # (unused unless TMA_A)
+    b_desc = b_ptr
+    b_row = 0
     if TMA_A:  # sorted rows, read as one block (rows past the expert's are loaded, not stored)
         a_desc = tl.make_tensor_descriptor(
             a_ptr, shape=[n_rows_a, k], strides=[stride_am, 1], block_shape=[BM, BK]
@@ -172,18 +194,8 @@ def _expert_gemm_kernel(
         bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + b_cols) // BK) * stride_bs_n
     for step in range(0, tl.cdiv(k, BK)):
         left = k - step * BK
-        if TMA_A:
-            a = a_desc.load([row_lo, step * BK])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=depth[None, :] < left, other=0.0)
-        if TMA_B:
-            b = b_desc.load([b_row, step * BK]).T
-        elif EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=depth[:, None] < left, other=0.0)
+        a = _operand(a_ptrs, a_desc, row_lo, step, left, depth, BK, TMA_A, EVEN_K, False)
+        b = _operand(b_ptrs, b_desc, b_row, step, left, depth, BK, TMA_B, EVEN_K, True)
         if FP8:
             a_s = tl.load(as_ptrs + step * stride_as_k)
             b_s = tl.load(bs_ptrs + step * stride_bs_k)
@@ -191,12 +203,10 @@ def _expert_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         if SWIGLU:
-            if TMA_B:
-                b_up = b_desc.load([b_row + n_out, step * BK]).T
-            elif EVEN_K:
-                b_up = tl.load(b_ptrs + up_offset)
-            else:
-                b_up = tl.load(b_ptrs + up_offset, mask=depth[:, None] < left, other=0.0)
+            b_up = _operand(
+                b_ptrs + up_offset, b_desc, b_row + n_out, step, left, depth, BK, TMA_B, EVEN_K,
+                True,
+            )  # fmt: skip
             if FP8:
                 b_s_up = tl.load(bs_up_ptrs + step * stride_bs_k)
                 acc_up += tl.dot(a, b_up) * a_s[:, None] * b_s_up[None, :]
