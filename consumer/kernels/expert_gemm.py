@@ -94,7 +94,7 @@ def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.const
     return tile
 
 
-@triton.jit(do_not_specialize=["max_m_tiles"])  # it follows the batch's row count
+@triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
 def _expert_gemm_kernel(
     a_ptr,
     a_scale_ptr,
