@@ -147,6 +147,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gemm-only", action="store_true", help="time the expert FFN alone")
     p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
     p.add_argument(
+        "--tma-only", action="store_true", help="--sweep: only the shapes read through TMA"
+    )
+    p.add_argument(
         "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"
     )
     p.add_argument("--dense-layers", type=int, default=None, help="dense first layers")
@@ -414,6 +417,8 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         if device.type == "cuda":
             paths["triton"] = lambda: ours("triton")
             sweep = _sweep() if args.sweep else []
+            if args.tma_only:
+                sweep = [(a, b) for a, b in sweep if a.tma or b.tma]
             paths |= {
                 f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
                 for a, b in sweep
@@ -421,6 +426,8 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
             if quantized:
                 paths["triton_fp8"] = lambda: ours("triton", fp8=True)
                 sweep = _sweep(fp8=True) if args.sweep else []
+                if args.tma_only:
+                    sweep = [(a, b) for a, b in sweep if a.tma or b.tma]
                 paths |= {
                     f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
                     for a, b in sweep
