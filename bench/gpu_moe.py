@@ -76,10 +76,10 @@ from bench.gpu_common import (
 )
 
 
-def _sweep(fp8: bool = False) -> list[tuple]:
+def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
     """(gate/up tiles, down tiles) pairs --sweep times besides the defaults: each GEMM's
     candidates with the other GEMM at its default (FP8: 128 deep, and 128 wide for gate/up,
-    whose SwiGLU quantizes h per 128 columns)."""
+    whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape."""
     from consumer.kernels import expert_gemm as eg
     from consumer.kernels.expert_gemm import Tiles
 
@@ -132,7 +132,7 @@ def _sweep(fp8: bool = False) -> list[tuple]:
     down.append(dataclasses.replace(second, tma=not second.tma))
     both = (gate_up[-1], down[-1])
     pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
-    return [*pairs, both]
+    return [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
 
 
 def parse_args() -> argparse.Namespace:
@@ -416,18 +416,14 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
         if device.type == "cuda":
             paths["triton"] = lambda: ours("triton")
-            sweep = _sweep() if args.sweep else []
-            if args.tma_only:
-                sweep = [(a, b) for a, b in sweep if a.tma or b.tma]
+            sweep = _sweep(tma_only=args.tma_only) if args.sweep else []
             paths |= {
                 f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
                 for a, b in sweep
             }
             if quantized:
                 paths["triton_fp8"] = lambda: ours("triton", fp8=True)
-                sweep = _sweep(fp8=True) if args.sweep else []
-                if args.tma_only:
-                    sweep = [(a, b) for a, b in sweep if a.tma or b.tma]
+                sweep = _sweep(fp8=True, tma_only=args.tma_only) if args.sweep else []
                 paths |= {
                     f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
                     for a, b in sweep
