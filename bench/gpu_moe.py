@@ -118,7 +118,7 @@ def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
         ]
         first, second = eg.BF16_TILES, eg.BF16_DOWN_TILES
         gate_up += [
-            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),  # the default before TMA
             Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=3, tma=True),
             Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True),
         ]
@@ -132,7 +132,8 @@ def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
     down.append(dataclasses.replace(second, tma=not second.tma))
     both = (gate_up[-1], down[-1])
     pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
-    return [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
+    chosen = [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
+    return list(dict.fromkeys(chosen))  # each pair once
 
 
 def parse_args() -> argparse.Namespace:

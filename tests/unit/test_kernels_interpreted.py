@@ -183,9 +183,9 @@ EXPERTS = textwrap.dedent(
     tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma = args
     if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
         eg.BF16_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=64, warps=8, stages=3)
-    if tma:  # the weights, and the second GEMM's sorted rows, read through tensor descriptors
-        for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
-            setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=True))
+    # the weights, and the second GEMM's sorted rows, through tensor descriptors or pointers
+    for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
+        setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=bool(tma)))
     gen = torch.Generator().manual_seed(tokens + hidden)
     dtype = torch.float16 if half else torch.bfloat16
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
