@@ -34,6 +34,7 @@ first GEMM's gathered rows always take pointer loads (Hopper's TMA does not gath
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -252,6 +253,15 @@ def _tma_ready(t: Any, rows_of: int) -> bool:
     return flat and stride[-1] == 1 and (stride[-2] * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+@cache
+def _tma_unit() -> bool:
+    """Whether this machine's GPU has a TMA unit (Hopper on; measured there only). Triton's
+    CPU interpreter emulates the descriptors, so the tests run both ways without a GPU."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
 def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global memory for the tensor descriptors a TMA launch builds on the device."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -294,8 +304,9 @@ def _launch(
         raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
     max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
-    tma_b = tiles.tma and _tma_ready(b, rows_of=b.shape[1])
-    tma_a = tiles.tma and a_rows is None and _tma_ready(a, rows_of=a.shape[0])
+    tma = tiles.tma and _tma_unit()
+    tma_b = tma and _tma_ready(b, rows_of=b.shape[1])
+    tma_a = tma and a_rows is None and _tma_ready(a, rows_of=a.shape[0])
     if tma_a or tma_b:
         triton.set_allocator(_workspace)  # the descriptors' global scratch (a context variable)
     dummy_i = row_start
