@@ -127,7 +127,8 @@ def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
             Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, tma=True),
         ]
-    # the defaults' shapes through TMA, each GEMM alone and both together
+    # the defaults' shapes with TMA switched (on where off, off where on), each GEMM alone
+    # and both together
     gate_up.append(dataclasses.replace(first, tma=not first.tma))
     down.append(dataclasses.replace(second, tma=not second.tma))
     both = (gate_up[-1], down[-1])
@@ -148,7 +149,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gemm-only", action="store_true", help="time the expert FFN alone")
     p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
     p.add_argument(
-        "--tma-only", action="store_true", help="--sweep: only the shapes read through TMA"
+        "--tma-only", action="store_true", help="--sweep: only pairs where a GEMM reads through TMA"
     )
     p.add_argument(
         "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"
