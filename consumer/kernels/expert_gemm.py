@@ -244,12 +244,12 @@ def _expert_gemm_kernel(
         tl.store(c_ptrs, y.to(out_ty), mask=keep)
 
 
-def _tma_ready(t: Any, rows_of: int) -> bool:
-    """Whether TMA can read `t` ([..., rows_of, K], K contiguous) as one 2-D matrix: rows in
-    one run of memory and their stride, like the address, a multiple of 16 bytes."""
+def _tma_ready(t: Any) -> bool:
+    """Whether TMA can read `t` ([rows, K] or [E, rows, K], K contiguous) as one 2-D matrix:
+    rows in one run of memory and their stride, like the address, a multiple of 16 bytes."""
     size = t.dtype.itemsize
     stride = t.stride()
-    flat = len(stride) == 2 or stride[0] == rows_of * stride[1]
+    flat = len(stride) == 2 or stride[0] == t.shape[-2] * stride[1]
     return flat and stride[-1] == 1 and (stride[-2] * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
@@ -305,8 +305,8 @@ def _launch(
     max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
     tma = tiles.tma and _tma_unit()
-    tma_b = tma and _tma_ready(b, rows_of=b.shape[1])
-    tma_a = tma and a_rows is None and _tma_ready(a, rows_of=a.shape[0])
+    tma_b = tma and _tma_ready(b)
+    tma_a = tma and a_rows is None and _tma_ready(a)
     if tma_a or tma_b:
         triton.set_allocator(_workspace)  # the descriptors' global scratch (a context variable)
     dummy_i = row_start
