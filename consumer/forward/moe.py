@@ -7,11 +7,13 @@ names it:
 - "softmax" (Qwen-MoE, Mixtral): a softmax over all experts in float32, the top-k,
   renormalised iff the family says so (Mixtral always, Qwen by `norm_topk_prob`), the weights
   cast to the activations' dtype (Mixtral keeps them float32);
-- "sigmoid_grouped" (DeepSeekMoE: DeepSeek-V3, GLM-4.5): float32 router on float32 activations,
-  sigmoid scores; the choice adds `e_score_correction_bias` to the scores, keeps the
-  `topk_group` groups (of `n_group`) whose two best biased scores sum highest and takes the
-  top-k of those groups' experts; the weights are the unbiased scores of the chosen experts,
-  renormalised iff `norm_topk_prob`, times `routed_scaling_factor`, kept float32.
+- "sigmoid_grouped" (DeepSeekMoE: DeepSeek-V3, GLM-4.5): float32 router on float32 activations
+  (on CUDA one bf16 GEMM against three bf16 parts of the weight, accumulated in float32: the
+  same products, `split_router_logits`), sigmoid scores; the choice adds
+  `e_score_correction_bias` to the scores, keeps the `topk_group` groups (of `n_group`) whose
+  two best biased scores sum highest and takes the top-k of those groups' experts; the
+  weights are the unbiased scores of the chosen experts, renormalised iff `norm_topk_prob`,
+  times `routed_scaling_factor`, kept float32.
 
 Every routed token is computed (no capacity, no token dropping) and there is no auxiliary loss:
 a teacher scores each token as the reference model does. Qwen2-MoE adds a shared expert whose
@@ -90,6 +92,26 @@ def renormalises(spec: ModelSpec) -> bool:
     return spec.moe_norm_topk or (family is not None and family.always_renormalise)
 
 
+def bf16_parts(weight: torch.Tensor) -> torch.Tensor:
+    """[3, *weight.shape] bf16 whose float32 sum is `weight` (float32) exactly: its bf16
+    rounding, the rounding of what is left, and the rest (8 + 8 + 8 significant bits of its
+    24; each difference is exact in float32)."""
+    hi = weight.to(torch.bfloat16)
+    rest = weight - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return torch.stack((hi, mid, lo))
+
+
+def split_router_logits(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """x [T, h] (bf16, CUDA) @ weight^T in float32 from `bf16_parts(weight)` flattened to
+    [3E, h]: one bf16 GEMM on the tensor cores, accumulated and returned in float32, where a
+    float32 GEMM has none. Each product of x's values with a part's is exact in float32, so
+    this differs from the float32 GEMM by the order of its sums only."""
+    logits = torch.mm(x, parts.T, out_dtype=torch.float32)  # [T, 3E]
+    return logits.view(x.shape[0], 3, -1).sum(dim=1)
+
+
 class TeacherMoE(torch.nn.Module):
     """Router, this rank's experts (their FFN slice) and its slice of the shared expert.
 
@@ -157,8 +179,18 @@ class TeacherMoE(torch.nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float_weights else weights.to(x.dtype)), ids
 
+    def _float_router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's float32 logits, as DeepSeekMoE's reference computes them (float32
+        copies of x and the weight); for bf16 x on CUDA through `split_router_logits`. The
+        parts are made each call (a few small kernels): a reload, a broadcast or an in-place
+        update may write the weight without any trace a cache could check."""
+        weight = self.router.weight
+        if not (x.is_cuda and x.dtype == torch.bfloat16):
+            return F.linear(x.float(), weight.float())
+        return split_router_logits(x, bf16_parts(weight.float()).flatten(0, 1))
+
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+        scores = torch.sigmoid(self._float_router_logits(x))
         choice = scores + self.router_bias
         if self.topk_groups < self.groups:  # keep the groups whose two best scores sum highest
             by_group = choice.view(x.shape[0], self.groups, -1)

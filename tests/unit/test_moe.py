@@ -395,3 +395,19 @@ def test_layout_degrees():
         check_layout(world_size=6, tp=2, pp=1, ep=3)
     with pytest.raises(LayoutError, match=r"not a multiple of max\(tp, ep\)\*pp = 4\*1"):
         check_layout(world_size=6, tp=1, pp=1, ep=4)
+
+
+def test_the_routers_bf16_parts_sum_to_its_float32_weight_exactly():
+    """DeepSeekMoE's float32 router runs on the tensor cores as one bf16 GEMM against three
+    bf16 parts of its weight (consumer/forward/moe.py): their float32 sum must be the weight,
+    bit for bit, at every magnitude a router weight has and at values bf16 cannot hold."""
+    from consumer.forward.moe import bf16_parts
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 96, generator=gen) * torch.logspace(-6, 3, 96)
+    weight[0, :4] = torch.tensor([1 / 3, -(2.0**-20) + 1e-9, 0.0, 1.0 + 2.0**-23])
+    parts = bf16_parts(weight)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 64, 96)
+    total = (parts[0].float() + parts[1].float()) + parts[2].float()
+    assert torch.equal(total, weight)
+    assert not torch.equal(parts[0].float(), weight)  # the other two parts carry bits
