@@ -31,12 +31,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
 from consumer.forward.moe_gemm import routed_swiglu, swiglu
 from consumer.forward.spec import ModelSpec
+
+log = structlog.get_logger("teacherq.consumer")
+_SPLIT_FAILED: list[str] = []  # set where `split_router_logits` raised: float32 from then on
 
 # The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
 CHECKPOINT_ENTRIES = (
@@ -185,9 +189,13 @@ class TeacherMoE(torch.nn.Module):
         parts are made each call (a few small kernels): a reload, a broadcast or an in-place
         update may write the weight without any trace a cache could check."""
         weight = self.router.weight
-        if not (x.is_cuda and x.dtype == torch.bfloat16):
-            return F.linear(x.float(), weight.float())
-        return split_router_logits(x, bf16_parts(weight.float()).flatten(0, 1))
+        if x.is_cuda and x.dtype == torch.bfloat16 and not _SPLIT_FAILED:
+            try:
+                return split_router_logits(x, bf16_parts(weight.float()).flatten(0, 1))
+            except (RuntimeError, TypeError) as exc:  # a torch without mm's out_dtype
+                _SPLIT_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                log.warning("moe.router_split_off", error=_SPLIT_FAILED[0])
+        return F.linear(x.float(), weight.float())
 
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(self._float_router_logits(x))
