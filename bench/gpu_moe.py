@@ -323,6 +323,35 @@ def _time_path(fn, want: torch.Tensor, device: torch.device, iters: int, flops: 
     }
 
 
+def routes_in_float32(spec) -> bool:
+    """Whether the shape's family routes as DeepSeekMoE does (a float32 router)."""
+    family = spec.family_record
+    return family is not None and family.float_router
+
+
+def router_paths(x: torch.Tensor, experts: int, device, iters: int, seed: int) -> dict:
+    """DeepSeekMoE's float32 router logits for `x`, side by side: the reference's float32
+    GEMM (what transformers runs) and ours (one bf16 GEMM against three bf16 parts of the
+    weight, accumulated in float32), each against float64."""
+    from torch.nn import functional as F
+
+    from consumer.forward.moe import bf16_parts, split_router_logits
+
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    weight = torch.randn(experts, x.shape[1], device=device, generator=gen) / x.shape[1] ** 0.5
+    want = (x.double() @ weight.double().T).float()
+    flops = 2 * x.shape[0] * x.shape[1] * experts
+    fp32 = functools.partial(F.linear, x.float(), weight)
+    split = lambda: split_router_logits(x, bf16_parts(weight).flatten(0, 1))  # noqa: E731
+    report = {f"router_{name}": _time_path(fn, want, device, iters, flops)
+              for name, fn in (("float32", fp32), ("split_bf16", split))}  # fmt: skip
+    if all("ms" in r for r in report.values()):
+        report["router_split_bf16"]["speedup_vs_float32"] = (
+            report["router_float32"]["ms"] / report["router_split_bf16"]["ms"]
+        )
+    return report
+
+
 def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     """Expert FFN of one layer on routed tokens, at the shape's expert sizes, on the same
     weights and routing: transformers' experts (Qwen3MoeExperts, the same expert math as
@@ -432,6 +461,8 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
                 }
         for name, fn in paths.items():
             report[name] = _time_path(fn, want, device, iters, flops)
+        if device.type == "cuda" and routes_in_float32(spec):
+            report |= router_paths(x, e, device, iters, args.seed)
         if quantized:
             emulated = ours("unfused", fp8=True).float()
             got = ours("triton", fp8=True).float()
