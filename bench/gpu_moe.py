@@ -323,20 +323,49 @@ def _time_path(fn, want: torch.Tensor, device: torch.device, iters: int, flops: 
     }
 
 
+def each_gemm(x, rows, picks, weights, counts, fc1, fc2, iters: int) -> dict:
+    """The fused bf16 path's two GEMMs timed apart at their default tiles: where the time of
+    `triton` goes (gate/up + SwiGLU with the gather; down with the weight and the scatter)."""
+    from consumer.kernels import expert_gemm
+
+    f, h = fc2.shape[2], fc2.shape[1]
+    out = torch.empty(rows.shape[0], h, device=x.device, dtype=x.dtype)
+    up_tiles, down_tiles = expert_gemm.BF16_TILES, expert_gemm.BF16_DOWN_TILES
+    row_start, up_end = expert_gemm.schedule(counts, up_tiles.bm)
+    down_end = expert_gemm.schedule(counts, down_tiles.bm)[1]
+    hh = expert_gemm.gate_up(x, rows, fc1, row_start, up_end)[0]
+
+    def first() -> None:
+        expert_gemm.gate_up(x, rows, fc1, row_start, up_end)
+
+    def second() -> None:
+        expert_gemm.down(hh, fc2, row_start, down_end, picks, weights, out)
+
+    report = {}
+    for name, fn, flops in (("triton_gate_up_alone", first, 2 * rows.shape[0] * 2 * f * h),
+                            ("triton_down_alone", second, 2 * rows.shape[0] * f * h)):  # fmt: skip
+        seconds = _timed(fn, x.device, iters)
+        report[name] = {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12}
+    return report
+
+
 def routes_in_float32(spec) -> bool:
     """Whether the shape's family routes as DeepSeekMoE does (a float32 router)."""
     family = spec.family_record
     return family is not None and family.float_router
 
 
-def router_paths(x: torch.Tensor, experts: int, device, iters: int, seed: int) -> dict:
+def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     """DeepSeekMoE's float32 router logits for `x`, side by side: the reference's float32
     GEMM (what transformers runs) and ours (one bf16 GEMM against three bf16 parts of the
-    weight, accumulated in float32), each against float64."""
+    weight, accumulated in float32), each against float64. Empty for other families."""
     from torch.nn import functional as F
 
     from consumer.forward.moe import bf16_parts, split_router_logits
 
+    if not routes_in_float32(spec):
+        return {}
+    device, experts = x.device, spec.num_experts
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     weight = torch.randn(experts, x.shape[1], device=device, generator=gen) / x.shape[1] ** 0.5
     want = (x.double() @ weight.double().T).float()
@@ -461,8 +490,10 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
                 }
         for name, fn in paths.items():
             report[name] = _time_path(fn, want, device, iters, flops)
-        if device.type == "cuda" and routes_in_float32(spec):
-            report |= router_paths(x, e, device, iters, args.seed)
+        apart = {}  # timed apart from the whole FFN: no speed-up against transformers' FFN
+        if device.type == "cuda":
+            apart |= each_gemm(x, rows, picks, weights.reshape(-1), counts, fc1, fc2, iters)
+            apart |= router_paths(spec, x, iters, args.seed)
         if quantized:
             emulated = ours("unfused", fp8=True).float()
             got = ours("triton", fp8=True).float()
@@ -473,7 +504,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     for name in report:
         if isinstance(report[name], dict) and "ms" in report[name] and name != "hf":
             report[name]["speedup_vs_hf"] = report["hf"]["ms"] / report[name]["ms"]
-    return report
+    return report | apart
 
 
 def main() -> None:
