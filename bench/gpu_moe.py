@@ -36,7 +36,10 @@ and peak device memory (weights included). Then the ratio teacherq / hf.
 
 `--gemm-only` times the expert FFN alone on one layer's routed tokens: consumer.forward.moe_gemm's
 grouped GEMM vs transformers' Qwen3MoeExperts (its grouped_mm implementation on CUDA) on the
-same weights and routing.
+same weights and routing. On CUDA it also times the fused path's two GEMMs apart
+(`triton_gate_up_alone`, `triton_down_alone`) and, for a float32 router (DeepSeekMoE), the
+router's logits both ways (`router_float32`: the reference's float32 GEMM; `router_split_bf16`:
+one bf16 GEMM against three bf16 parts of the weight), each against float64.
 
     python bench/gpu_moe.py                      # the full 48-layer model on one H200
     python bench/gpu_moe.py --layers 8 --docs 64
