@@ -131,24 +131,31 @@ def test_the_moe_forward_never_waits_for_the_device(hf_checkpoint, layout) -> No
     assert pending.result()[0]["topk_token_ids"].shape == (LENGTHS[0] - 1, TOP_K)
 
 
+@pytest.mark.parametrize("hidden", [1024, 7168])
 @pytest.mark.parametrize("scale", [0.02, 3.0])
-def test_deepseek_router_on_the_tensor_cores_is_as_exact_as_float32(scale) -> None:
+def test_deepseek_router_on_the_tensor_cores_keeps_18_bits_of_its_sums(scale, hidden) -> None:
     """DeepSeekMoE's float32 router logits through one bf16 GEMM against three bf16 parts of
-    the weight (consumer/forward/moe.py) are no further from float64 than the reference's
-    float32 GEMM, on a weight with more bits than bf16 holds."""
+    the weight (consumer/forward/moe.py), on a weight with more bits than bf16 holds: each
+    logit within 2^-18 of the sum of its products' magnitudes from float64. Hopper's tensor
+    cores do not add in full IEEE float32 (the reference's float32 GEMM is closer: 9e-6
+    against 5e-5 at DeepSeek-V3's shape, docs/benchmarks.md), but a router on the bf16 weight
+    alone breaks the bound, so the parts are what the bound tests."""
     from torch.nn import functional as F
 
     from consumer.forward.moe import bf16_parts, split_router_logits
 
     gen = torch.Generator(device=CUDA).manual_seed(7)
-    x = torch.randn(2048, 1024, device=CUDA, generator=gen).bfloat16()
-    weight = torch.randn(256, 1024, device=CUDA, generator=gen) * scale
+    x = torch.randn(2048, hidden, device=CUDA, generator=gen).bfloat16()
+    weight = torch.randn(256, hidden, device=CUDA, generator=gen) * scale
     want = x.double() @ weight.double().T
+    bound = 2.0**-18 * (x.double().abs() @ weight.double().abs().T)
     got = split_router_logits(x, bf16_parts(weight).flatten(0, 1))
-    reference = F.linear(x.float(), weight)  # what transformers computes
     assert got.dtype == torch.float32 and got.shape == want.shape
-    err, err_ref = ((t.double() - want).abs().max().item() for t in (got, reference))
-    assert err <= 2 * err_ref + 1e-7 * want.abs().max().item(), (err, err_ref)
-    # bf16 alone would be far off: the parts are what make it float32
-    bf16_only = (x.float() @ weight.bfloat16().float().T).double()
-    assert (bf16_only - want).abs().max().item() > 10 * err
+    reference = F.linear(x.float(), weight)  # what transformers computes
+    errors = {
+        name: ((t.double() - want).abs() / bound).max().item()
+        for name, t in (("split", got), ("float32", reference))
+    }
+    assert errors["split"] <= 1.0 and errors["float32"] <= 1.0, errors
+    bf16_only = x.float() @ weight.bfloat16().float().T
+    assert ((bf16_only.double() - want).abs() / bound).max().item() > 4.0, errors
