@@ -113,9 +113,8 @@ def split_router_logits(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     float32 GEMM has none (3.7x faster at DeepSeek-V3's shape on an H200). Each product of
     x's values with a part's is exact in float32; the sums are the tensor cores', which on
     Hopper keep fewer bits than IEEE float32 adds: 5e-5 from float64 on logits of scale 1
-    where the float32 GEMM gives 9e-6 (docs/benchmarks.md). That is far below what the bf16
-    activations entering the router differ by from the reference's, and far above a router on
-    the bf16-rounded weight alone (8e-3)."""
+    where the float32 GEMM gives 9e-6 (docs/benchmarks.md), far below what one bf16 rounding
+    of an input moves a logit by (the bf16-rounded weight alone: 8e-3)."""
     logits = torch.mm(x, parts.T, out_dtype=torch.float32)  # [T, 3E]
     return logits.view(x.shape[0], 3, -1).sum(dim=1)
 
@@ -196,6 +195,8 @@ class TeacherMoE(torch.nn.Module):
         if x.is_cuda and x.dtype == torch.bfloat16 and not _SPLIT_FAILED:
             try:
                 return split_router_logits(x, bf16_parts(weight.float()).flatten(0, 1))
+            except torch.OutOfMemoryError:
+                raise  # the float32 GEMM would need more memory still, and it may pass
             except (RuntimeError, TypeError) as exc:  # a torch without mm's out_dtype
                 _SPLIT_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
                 log.warning("moe.router_split_off", error=_SPLIT_FAILED[0])
