@@ -377,6 +377,9 @@ def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     split = lambda: split_router_logits(x, bf16_parts(weight).flatten(0, 1))  # noqa: E731
     report = {f"router_{name}": _time_path(fn, want, device, iters, flops)
               for name, fn in (("float32", fp32), ("split_bf16", split))}  # fmt: skip
+    for r in report.values():  # `want` here is float64's, not transformers'
+        if "max_abs_diff_vs_hf" in r:
+            r["max_abs_diff_vs_float64"] = r.pop("max_abs_diff_vs_hf")
     if all("ms" in r for r in report.values()):
         report["router_split_bf16"]["speedup_vs_float32"] = (
             report["router_float32"]["ms"] / report["router_split_bf16"]["ms"]
