@@ -309,8 +309,11 @@ def profile_pass(model, spec, layout, docs, args, device, top: int = 25) -> list
              "share": ev.self_device_time_total / total} for ev in events[:top]]  # fmt: skip
 
 
-def _time_path(fn, want: torch.Tensor, device: torch.device, iters: int, flops: float) -> dict:
-    """One path of --gemm-only: its time, throughput and largest difference from `want`."""
+def _time_path(
+    fn, want: torch.Tensor, device: torch.device, iters: int, flops: float, against: str = "hf"
+) -> dict:
+    """One path of --gemm-only: its time, throughput and largest difference from `want`
+    (`against`: what `want` is, for the entry's name)."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -322,7 +325,7 @@ def _time_path(fn, want: torch.Tensor, device: torch.device, iters: int, flops: 
     return {
         "ms": 1e3 * seconds,
         "tflops": flops / seconds / 1e12,
-        "max_abs_diff_vs_hf": (got - want).abs().max().item(),
+        f"max_abs_diff_vs_{against}": (got - want).abs().max().item(),
     }
 
 
@@ -352,21 +355,15 @@ def each_gemm(x, rows, picks, weights, counts, fc1, fc2, iters: int) -> dict:
     return report
 
 
-def routes_in_float32(spec) -> bool:
-    """Whether the shape's family routes as DeepSeekMoE does (a float32 router)."""
-    family = spec.family_record
-    return family is not None and family.float_router
-
-
 def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     """DeepSeekMoE's float32 router logits for `x`, side by side: the reference's float32
     GEMM (what transformers runs) and ours (one bf16 GEMM against three bf16 parts of the
     weight, accumulated in float32), each against float64. Empty for other families."""
     from torch.nn import functional as F
 
-    from consumer.forward.moe import bf16_parts, split_router_logits
+    from consumer.forward.moe import bf16_parts, float_router, split_router_logits
 
-    if not routes_in_float32(spec):
+    if not float_router(spec):
         return {}
     device, experts = x.device, spec.num_experts
     gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -375,11 +372,8 @@ def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     flops = 2 * x.shape[0] * x.shape[1] * experts
     fp32 = functools.partial(F.linear, x.float(), weight)
     split = lambda: split_router_logits(x, bf16_parts(weight).flatten(0, 1))  # noqa: E731
-    report = {f"router_{name}": _time_path(fn, want, device, iters, flops)
+    report = {f"router_{name}": _time_path(fn, want, device, iters, flops, "float64")
               for name, fn in (("float32", fp32), ("split_bf16", split))}  # fmt: skip
-    for r in report.values():  # `want` here is float64's, not transformers'
-        if "max_abs_diff_vs_hf" in r:
-            r["max_abs_diff_vs_float64"] = r.pop("max_abs_diff_vs_hf")
     if all("ms" in r for r in report.values()):
         report["router_split_bf16"]["speedup_vs_float32"] = (
             report["router_float32"]["ms"] / report["router_split_bf16"]["ms"]

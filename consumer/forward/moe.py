@@ -90,6 +90,13 @@ def float_routing_weights(spec: ModelSpec) -> bool:
     )
 
 
+def float_router(spec: ModelSpec) -> bool:
+    """Whether the family's reference runs its router in float32 (DeepSeekMoE: float32 copies
+    of the activations and a float32 weight), else in the activations' dtype."""
+    family = spec.family_record
+    return family is not None and family.float_router
+
+
 def renormalises(spec: ModelSpec) -> bool:
     """Whether the top-k routing weights are renormalised to sum to one."""
     family = spec.family_record
@@ -140,7 +147,7 @@ class TeacherMoE(torch.nn.Module):
         self.renormalise = renormalises(spec)
         self.routing = family.routing if family is not None else "softmax"
         self.float_weights = float_routing_weights(spec)
-        self.float_router = family is not None and family.float_router
+        self.float_router = float_router(spec)
         self.groups, self.topk_groups = spec.moe_groups, spec.moe_topk_groups
         self.routed_scale = spec.moe_routed_scale
         h, dtype = spec.hidden_size, config.params_dtype
