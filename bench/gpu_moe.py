@@ -79,16 +79,13 @@ from bench.gpu_common import (
 )
 
 
-def _sweep(fp8: bool = False, tma_only: bool = False, walk: bool = False) -> list[tuple]:
+def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
     """(gate/up tiles, down tiles) pairs --sweep times besides the defaults: each GEMM's
     candidates with the other GEMM at its default (FP8: 128 deep, and 128 wide for gate/up,
-    whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape;
-    `walk`: only persistent programs and warp-specialized ones (`_walks`)."""
+    whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape."""
     from consumer.kernels import expert_gemm as eg
     from consumer.kernels.expert_gemm import Tiles
 
-    if walk:
-        return _walks(fp8)
     if fp8:
         gate_up = [
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
@@ -143,51 +140,6 @@ def _sweep(fp8: bool = False, tma_only: bool = False, walk: bool = False) -> lis
     return list(dict.fromkeys(chosen))  # each pair once
 
 
-def _walks(fp8: bool) -> list[tuple]:
-    """--sweep --walk: the defaults' tiles walked by one persistent program per SM, and
-    warp-specialized shapes (4 warps: Triton on Hopper gives a producer warp group two
-    consumer groups of four warps; the gate/up GEMM reads a sorted copy of the rows there,
-    as its producer cannot gather), each GEMM with the other at its default, then both."""
-    from consumer.kernels import expert_gemm as eg
-    from consumer.kernels.expert_gemm import Tiles
-
-    ws = {"persistent": True, "warp_specialize": True, "tma": True}
-    first, second = (
-        (eg.FP8_TILES, eg.FP8_DOWN_TILES) if fp8 else (eg.BF16_TILES, eg.BF16_DOWN_TILES)
-    )
-    if fp8:
-        gate_up = [
-            Tiles(bm=64, bn=128, bk=128, warps=4, stages=4, sorted_copy=True, **ws),
-            Tiles(bm=128, bn=128, bk=128, warps=4, stages=2, sorted_copy=True, **ws),
-        ]
-        down = [
-            Tiles(bm=64, bn=128, bk=128, warps=4, stages=4, **ws),
-            Tiles(bm=128, bn=128, bk=128, warps=4, stages=3, **ws),
-            Tiles(bm=128, bn=256, bk=128, warps=4, stages=2, **ws),
-        ]
-        both = (gate_up[0], down[0])  # warp-specialized, both GEMMs
-    else:
-        gate_up = [
-            dataclasses.replace(first, sorted_copy=True),
-            Tiles(bm=128, bn=128, bk=64, warps=4, stages=3, sorted_copy=True, **ws),
-            Tiles(bm=128, bn=128, bk=64, warps=4, stages=4, sorted_copy=True, **ws),
-            Tiles(bm=128, bn=64, bk=64, warps=4, stages=4, sorted_copy=True, **ws),
-            Tiles(bm=128, bn=128, bk=128, warps=4, stages=2, sorted_copy=True, **ws),
-        ]
-        down = [
-            Tiles(bm=128, bn=256, bk=64, warps=4, stages=3, **ws),
-            Tiles(bm=128, bn=256, bk=64, warps=4, stages=4, **ws),
-            Tiles(bm=128, bn=128, bk=64, warps=4, stages=4, **ws),
-            Tiles(bm=256, bn=128, bk=64, warps=4, stages=3, **ws),
-            Tiles(bm=128, bn=256, bk=128, warps=4, stages=2, **ws),
-        ]
-        both = (gate_up[1], down[0])
-    gate_up.insert(0, dataclasses.replace(first, persistent=True))
-    down.insert(0, dataclasses.replace(second, persistent=True))
-    pairs = [(t, second) for t in gate_up] + [(first, t) for t in down]
-    return [*pairs, both]
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -201,9 +153,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
     p.add_argument(
         "--tma-only", action="store_true", help="--sweep: only pairs where a GEMM reads through TMA"
-    )
-    p.add_argument(
-        "--walk", action="store_true", help="--sweep: only persistent, warp-specialized tiles"
     )
     p.add_argument(
         "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"
@@ -527,16 +476,14 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
         if device.type == "cuda":
             paths["triton"] = lambda: ours("triton")
-            sweep = _sweep(tma_only=args.tma_only, walk=args.walk) if args.sweep else []
+            sweep = _sweep(tma_only=args.tma_only) if args.sweep else []
             paths |= {
                 f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
                 for a, b in sweep
             }
             if quantized:
                 paths["triton_fp8"] = lambda: ours("triton", fp8=True)
-                sweep = (
-                    _sweep(fp8=True, tma_only=args.tma_only, walk=args.walk) if args.sweep else []
-                )
+                sweep = _sweep(fp8=True, tma_only=args.tma_only) if args.sweep else []
                 paths |= {
                     f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
                     for a, b in sweep

@@ -60,11 +60,6 @@ class Tiles:
     warps: int = 8
     stages: int = 3
     tma: bool = False  # the weights (and the second GEMM's rows) through Hopper's TMA unit
-    persistent: bool = False  # one program per SM walks the tiles, instead of one per tile
-    warp_specialize: bool = False  # persistent: Triton's warp specialization of the tile loop
-    # gate/up: the tokens' rows copied into sorted order first, so the GEMM reads them as a
-    # block (through TMA where `tma`) instead of gathering them (warp specialization needs it)
-    sorted_copy: bool = False
 
 
 # Chosen by `bench/gpu_moe.py --gemm-only --sweep` on an H200 at DeepSeek-V3's expert shape
@@ -102,66 +97,67 @@ def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.const
     return tile
 
 
-@triton.jit
-def _locate(tile, n_out, m_tiles, tile_end_ptr, E: tl.constexpr, E_POW2: tl.constexpr,
-            BN: tl.constexpr, GROUP_M: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
-    """(row tile, column tile, expert) of output tile number `tile`, in grouped order:
-    GROUP_M row tiles sweep every column tile together. The expert is how many experts'
-    tiles end at or before the row tile (E where it lies past the last tile): counted over
-    one vector load, or with SEARCH (> 0) found by that many steps of a binary search of
-    scalar loads (what Triton's warp specialization on Hopper can hand to its loads)."""
+@triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
+def _expert_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    a_rows_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    c_scale_ptr,
+    c_rows_ptr,
+    weight_ptr,
+    row_start_ptr,
+    tile_end_ptr,
+    n_out,
+    k,
+    max_m_tiles,
+    n_rows_a,
+    n_rows_b,
+    stride_am,
+    stride_as_m,
+    stride_as_k,
+    stride_be,
+    stride_bn,
+    stride_bs_e,
+    stride_bs_n,
+    stride_bs_k,
+    stride_cm,
+    stride_cs_m,
+    stride_cs_k,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    GATHER: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SCATTER: tl.constexpr,
+    FP8: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_B: tl.constexpr,
+    ROUND: tl.constexpr,
+    fp8_max: tl.constexpr,
+    tiny: tl.constexpr,
+):
+    # grouped order: GROUP_M row tiles sweep every column tile together
+    pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(n_out, BN)
     per_group = GROUP_M * n_tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    size_m = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % size_m
-    pid_n = (tile % per_group) // size_m
-    if SEARCH:
-        lo = pid_m * 0  # the first expert whose tiles end after pid_m lies in [lo, hi]
-        hi = lo + E
-        for _ in tl.static_range(SEARCH):
-            mid = (lo + hi) // 2
-            end = tl.load(tile_end_ptr + mid, mask=mid < E, other=2147483647)
-            lo = tl.where(end <= pid_m, mid + 1, lo)
-            hi = tl.where(end <= pid_m, hi, mid)
-        e = lo
-    else:
-        experts = tl.arange(0, E_POW2)
-        ends = tl.load(tile_end_ptr + experts, mask=experts < E, other=2147483647)
-        e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-    return pid_m, pid_n, e
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(max_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
 
-
-@triton.jit
-def _descriptors(a_ptr, b_ptr, k, n_rows_a, n_rows_b, stride_am, stride_bn, E: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA_A: tl.constexpr,
-                 TMA_B: tl.constexpr):  # fmt: skip
-    """The operands' tensor descriptors where they are read through TMA (else their pointers):
-    A's sorted rows as one block (rows past an expert's are loaded, not stored); every
-    expert's B rows as one [E * n_rows_b, k] matrix. Past k both read zeros."""
-    a_desc = a_ptr
-    b_desc = b_ptr
-    if TMA_A:
-        a_desc = tl.make_tensor_descriptor(
-            a_ptr, shape=[n_rows_a, k], strides=[stride_am, 1], block_shape=[BM, BK]
-        )
-    if TMA_B:
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BN, BK]
-        )
-    return a_desc, b_desc
-
-
-@triton.jit
-def _tile(pid_m, pid_n, e, a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc, b_scale_ptr,
-          c_ptr, c_scale_ptr, c_rows_ptr, weight_ptr, row_start_ptr, tile_end_ptr, n_out, k,
-          n_rows_b, stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_bs_e,
-          stride_bs_n, stride_bs_k, stride_cm, stride_cs_m, stride_cs_k, BM: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
-          SCATTER: tl.constexpr, FP8: tl.constexpr, EVEN_K: tl.constexpr, TMA_A: tl.constexpr,
-          TMA_B: tl.constexpr, ROUND: tl.constexpr, fp8_max: tl.constexpr,
-          tiny: tl.constexpr):  # fmt: skip
-    """One BM x BN output tile of expert e's rows: the product over k, then the epilogue."""
+    # the expert of this row tile: how many experts' tiles end at or before it
+    experts = tl.arange(0, E_POW2)
+    ends = tl.load(tile_end_ptr + experts, mask=experts < E, other=2147483647)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    if e >= E:
+        return
     tiles_before = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
     row_lo = tl.load(row_start_ptr + e) + (pid_m - tiles_before) * BM
     row_hi = tl.load(row_start_ptr + e + 1)
@@ -180,7 +176,18 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc
 
     a_ptrs = a_ptr + src[:, None] * stride_am + depth[None, :]
     b_ptrs = b_ptr + e64 * stride_be + b_cols[None, :] * stride_bn + depth[:, None]
-    b_row = e * n_rows_b + pid_n * BN  # (TMA_B) this tile's first row of every expert's B
+    a_desc = a_ptr  # (unused unless TMA_A)
+    b_desc = b_ptr
+    b_row = 0
+    if TMA_A:  # sorted rows, read as one block (rows past the expert's are loaded, not stored)
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[n_rows_a, k], strides=[stride_am, 1], block_shape=[BM, BK]
+        )
+    if TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BN, BK]
+        )
+        b_row = e * n_rows_b + pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU: the up half's columns
     up_offset = n_out * stride_bn
@@ -237,94 +244,6 @@ def _tile(pid_m, pid_n, e, a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc
         tl.store(c_ptrs, y.to(out_ty), mask=keep)
 
 
-@triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
-def _expert_gemm_kernel(
-    a_ptr,
-    a_scale_ptr,
-    a_rows_ptr,
-    b_ptr,
-    b_scale_ptr,
-    c_ptr,
-    c_scale_ptr,
-    c_rows_ptr,
-    weight_ptr,
-    row_start_ptr,
-    tile_end_ptr,
-    n_out,
-    k,
-    max_m_tiles,
-    n_rows_a,
-    n_rows_b,
-    stride_am,
-    stride_as_m,
-    stride_as_k,
-    stride_be,
-    stride_bn,
-    stride_bs_e,
-    stride_bs_n,
-    stride_bs_k,
-    stride_cm,
-    stride_cs_m,
-    stride_cs_k,
-    E: tl.constexpr,
-    E_POW2: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    GATHER: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SCATTER: tl.constexpr,
-    FP8: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    TMA_A: tl.constexpr,
-    TMA_B: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    SEARCH: tl.constexpr,
-    ROUND: tl.constexpr,
-    fp8_max: tl.constexpr,
-    tiny: tl.constexpr,
-):
-    if PERSISTENT:  # one program per SM walks the tiles that exist (the device's tile count)
-        a_desc, b_desc = _descriptors(
-            a_ptr, b_ptr, k, n_rows_a, n_rows_b, stride_am, stride_bn, E, BM, BN, BK, TMA_A, TMA_B
-        )
-        m_tiles = tl.load(tile_end_ptr + E - 1)
-        n_tiles = m_tiles * tl.cdiv(n_out, BN)
-        for tile in tl.range(
-            tl.program_id(0), n_tiles, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE
-        ):
-            pid_m, pid_n, e = _locate(
-                tile, n_out, m_tiles, tile_end_ptr, E, E_POW2, BN, GROUP_M, SEARCH
-            )
-            _tile(
-                pid_m, pid_n, e, a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc,
-                b_scale_ptr, c_ptr, c_scale_ptr, c_rows_ptr, weight_ptr, row_start_ptr,
-                tile_end_ptr, n_out, k, n_rows_b, stride_am, stride_as_m, stride_as_k, stride_be,
-                stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm, stride_cs_m,
-                stride_cs_k, BM, BN, BK, GATHER, SWIGLU, SCATTER, FP8, EVEN_K, TMA_A, TMA_B,
-                ROUND, fp8_max, tiny,
-            )  # fmt: skip
-    else:  # a program per tile of the worst case; those past the last tile exit
-        pid_m, pid_n, e = _locate(
-            tl.program_id(0), n_out, max_m_tiles, tile_end_ptr, E, E_POW2, BN, GROUP_M, SEARCH
-        )
-        if e < E:
-            a_desc, b_desc = _descriptors(
-                a_ptr, b_ptr, k, n_rows_a, n_rows_b, stride_am, stride_bn, E, BM, BN, BK, TMA_A,
-                TMA_B,
-            )  # fmt: skip
-            _tile(
-                pid_m, pid_n, e, a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc,
-                b_scale_ptr, c_ptr, c_scale_ptr, c_rows_ptr, weight_ptr, row_start_ptr,
-                tile_end_ptr, n_out, k, n_rows_b, stride_am, stride_as_m, stride_as_k, stride_be,
-                stride_bn, stride_bs_e, stride_bs_n, stride_bs_k, stride_cm, stride_cs_m,
-                stride_cs_k, BM, BN, BK, GATHER, SWIGLU, SCATTER, FP8, EVEN_K, TMA_A, TMA_B,
-                ROUND, fp8_max, tiny,
-            )  # fmt: skip
-
-
 def _tma_ready(t: Any) -> bool:
     """Whether TMA can read `t` ([rows, K] or [E, rows, K], K contiguous) as one 2-D matrix:
     rows in one run of memory and their stride, like the address, a multiple of 16 bytes."""
@@ -341,15 +260,6 @@ def _tma_unit() -> bool:
     if not torch.cuda.is_available():
         return True
     return torch.cuda.get_device_capability()[0] >= 9
-
-
-@cache
-def _programs(device: torch.device | None) -> int:
-    """A persistent launch's programs: one per SM of `device`'s GPU. Off the GPU (Triton's
-    interpreter) a few, so that each program walks several tiles there too."""
-    if device is None or device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -394,14 +304,9 @@ def _launch(
         raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
     max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
-    if tiles.persistent:
-        grid = (min(grid[0], _programs(c.device if isinstance(c, torch.Tensor) else None)),)
     tma = tiles.tma and _tma_unit()
     tma_b = tma and _tma_ready(b)
     tma_a = tma and a_rows is None and _tma_ready(a)
-    # Triton's warp specialization on Hopper hands the loads to a producer warp group that
-    # takes TMA loads only: where either operand cannot go through TMA, the plain loop
-    ws = tiles.persistent and tiles.warp_specialize and tma_a and tma_b
     if tma_a or tma_b:
         triton.set_allocator(_workspace)  # the descriptors' global scratch (a context variable)
     dummy_i = row_start
@@ -447,9 +352,6 @@ def _launch(
         EVEN_K=k % tiles.bk == 0,
         TMA_A=tma_a,
         TMA_B=tma_b,
-        PERSISTENT=tiles.persistent,
-        WARP_SPECIALIZE=ws,
-        SEARCH=experts.bit_length() if ws else 0,  # [0, E] in that many halvings
         ROUND=_ROUND[act_dtype],
         fp8_max=FP8_MAX,
         tiny=_TINY,
@@ -485,10 +387,6 @@ def gate_up(
         h_scale = torch.empty(r, triton.cdiv(f, QUANT_GROUP), dtype=torch.float32, device=x.device)
     else:
         h, h_scale = torch.empty(r, f, dtype=x.dtype, device=x.device), None
-    if r and tiles.sorted_copy:
-        x = x.index_select(0, rows)
-        x_scale = None if x_scale is None else x_scale.index_select(0, rows)
-        rows = None
     if r:
         _launch(
             x, x_scale, rows, fc1, fc1_scale, h, h_scale, None, None, row_start, tile_end,
@@ -553,8 +451,7 @@ def precompile(
     out = Shaped(dtype, (1, hidden))
     weights = Shaped(routing_dtype, (1,))
     common: dict[str, Any] = {"rows": 1, "act_dtype": dtype, "compile_only": True}
-    gathered = None if tiles.sorted_copy else rows  # (sorted_copy: x's rows in order)
-    _launch(x, x_s, gathered, w1, w1_s, h, h_s, None, None, idx, idx, n_out=ffn, k=hidden,
+    _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, idx, idx, n_out=ffn, k=hidden,
             swiglu=True, tiles=tiles, **common)  # fmt: skip
     _launch(h, h_s, None, w2, w2_s, out, None, rows, weights, idx, idx, n_out=hidden, k=ffn,
             swiglu=False, tiles=down_tiles, **common)  # fmt: skip

@@ -36,21 +36,13 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(params=["pointers", "tma", "persistent", "warp-specialized"])
+@pytest.fixture(params=[False, True], ids=["pointers", "tma"])
 def tma(request, monkeypatch):
     """Every case with the weights (and the second GEMM's rows) read by pointer, then
-    through TMA tensor descriptors, whichever the tile constants say now; then through TMA
-    by one persistent program per SM, then warp-specialized (4 warps a consumer group, the
-    gate/up GEMM on a sorted copy of the rows)."""
-    walk = {
-        "persistent": {"persistent": True},
-        "warp-specialized": {
-            "persistent": True, "warp_specialize": True, "sorted_copy": True, "warps": 4
-        },
-    }.get(request.param, {})  # fmt: skip
+    through TMA tensor descriptors, whichever the tile constants say now."""
     for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
-        tiles = dataclasses.replace(getattr(expert_gemm, name), tma=request.param != "pointers")
-        monkeypatch.setattr(expert_gemm, name, dataclasses.replace(tiles, **walk))
+        tiles = getattr(expert_gemm, name)
+        monkeypatch.setattr(expert_gemm, name, dataclasses.replace(tiles, tma=request.param))
     return request.param
 
 

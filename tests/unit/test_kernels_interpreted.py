@@ -180,14 +180,12 @@ EXPERTS = textwrap.dedent(
 
     from consumer.kernels import expert_gemm as eg
 
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, walk = args
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma = args
     if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
         eg.BF16_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=64, warps=8, stages=3)
-    # the weights, and the second GEMM's sorted rows, through tensor descriptors or pointers;
-    # `walk`: persistent programs (1), warp-specialized on sorted copies of the rows (2)
-    ws = {"persistent": walk > 0, "warp_specialize": walk > 1, "sorted_copy": walk > 1}
+    # the weights, and the second GEMM's sorted rows, through tensor descriptors or pointers
     for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
-        setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=bool(tma), **ws))
+        setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=bool(tma)))
     gen = torch.Generator().manual_seed(tokens + hidden)
     dtype = torch.float16 if half else torch.bfloat16
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -220,23 +218,20 @@ EXPERTS = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma", "walk"),
+    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma"),
     [
-        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
-        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0, 0),  # one token, fp16
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
-        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0, 0),  # the down GEMM on 64 x 256 tiles, a partial one
-        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1, 0),  # through TMA: blocks past the depth and the rows
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1, 0),  # FP8 through TMA
-        (150, 2, 200, 72, 7, 6, 0, 0, 64, 0, 1),  # persistent: each program walks several tiles
-        (150, 2, 200, 72, 7, 0, 0, 0, 0, 1, 2),  # warp-specialized: binary search, sorted rows
-        (150, 2, 256, 128, 3, 1, 1, 0, 0, 1, 2),  # FP8 warp-specialized, sorted rows and scales
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
+        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0),  # one token, fp16
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
+        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0),  # the down GEMM on 64 x 256 tiles, a partial one
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1),  # through TMA: blocks past the depth and the rows
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1),  # FP8 through TMA
     ],
 )
 def test_expert_gemm_kernels_match_the_unfused_path(
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, walk
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma
 ):
-    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, walk)
+    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma)
 
 
 # Latent attention's q, k, v for the flash kernel (consumer/kernels/mla_rope.py) against the
