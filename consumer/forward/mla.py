@@ -138,7 +138,9 @@ class TeacherMLA(nn.Module):
         h, dtype, qk = spec.hidden_size, config.params_dtype, spec.kv_channels
 
         def linear(n_in: int, n_out: int) -> nn.Linear:
-            return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+            # no init of its own: torch's default draw (1.4 s a DeepSeek-V3 layer on this
+            # 2-core host) would be overwritten below or by the checkpoint
+            return nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
 
         self.q_lora = spec.q_lora_rank > 0
         if self.q_lora:
@@ -156,14 +158,15 @@ class TeacherMLA(nn.Module):
             config=config, softmax_scale=softmax_scale(spec), value_dim=self.v
         )
         std = float(getattr(config, "init_method_std", 0.02))
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if not config.perform_initialization:
-                    p.zero_()
-                elif "layernorm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, std)
+        if config.perform_initialization:
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if "layernorm" in name:
+                        p.fill_(1.0)
+                    else:
+                        p.normal_(0.0, std)
+        # Else left as allocated: build_model zeroes every parameter of a model it builds for
+        # a checkpoint, where the model is placed (zeroing here wrote every page on the host).
 
     def forward(self, hidden_states: torch.Tensor, *args, packed_seq_params=None, **kwargs):
         """megatron's attention call: hidden states [t, 1, h] of a packed batch -> ([t, 1, h],

@@ -155,7 +155,9 @@ class TeacherMoE(torch.nn.Module):
         self.first_expert = experts.ep_rank * self.num_local
         f = spec.moe_ffn_hidden_size // experts.etp
         router_dtype = torch.float32 if self.float_router else dtype
-        self.router = torch.nn.Linear(h, spec.num_experts, bias=False, dtype=router_dtype)
+        self.router = torch.nn.utils.skip_init(  # initialised below or loaded, not drawn twice
+            torch.nn.Linear, h, spec.num_experts, bias=False, dtype=router_dtype
+        )
         if self.routing == "sigmoid_grouped":
             bias = torch.empty(spec.num_experts, dtype=torch.float32)
             self.router_bias = torch.nn.Parameter(bias)
