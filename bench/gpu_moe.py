@@ -41,12 +41,20 @@ same weights and routing. On CUDA it also times the fused path's two GEMMs apart
 router's logits both ways (`router_float32`: the reference's float32 GEMM; `router_split_bf16`:
 one bf16 GEMM against three bf16 parts of the weight), each against float64.
 
+`--per-layer` (DeepSeek-V3, GLM-4.5-Air) runs the default comparison on four cuts of the
+shape, one after another on the same documents: 1 dense layer, 2 dense, 1 dense + 1 sparse,
+1 dense + 2 sparse. Each side's seconds per token then give the head (embedding, output layer,
+log-probs), one dense layer and one sparse layer by difference, and from those the ratio the
+shape's full depth would have (DeepSeek-V3: 3 dense + 58 sparse). The cuts' head is a third of
+a 3-layer cut's time and under 3 % of the full model's.
+
     python bench/gpu_moe.py                      # the full 48-layer model on one H200
     python bench/gpu_moe.py --layers 8 --docs 64
     python bench/gpu_moe.py --shape deepseek-v3  # 5 layers of DeepSeek-V3 on one H200
     python bench/gpu_moe.py --shape glm-4.5-air --layers 12
     python bench/gpu_moe.py --gemm-only --tokens-per-forward 16384
     python bench/gpu_moe.py --tiny               # CPU check of the plumbing
+    python bench/gpu_moe.py --shape deepseek-v3 --per-layer  # head, dense, sparse per token
 """
 
 from __future__ import annotations
@@ -150,6 +158,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=2, help="timed passes (after one warm-up)")
     p.add_argument("--label-only", action="store_true", help="teacherq: next-token only")
     p.add_argument("--gemm-only", action="store_true", help="time the expert FFN alone")
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="cuts of 1-2 dense and 0-2 sparse layers: each side's head, dense and sparse "
+        "layer per token, and the ratio they project for the full depth",
+    )
     p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
     p.add_argument(
         "--tma-only", action="store_true", help="--sweep: only pairs where a GEMM reads through TMA"
@@ -508,11 +522,70 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def main() -> None:
+    from shared.log import configure_logging
+
     args = parse_args()
+    configure_logging(level="warning", fmt="console")  # stdout carries the JSON report only
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if args.gemm_only:
         print(json.dumps(gemm_only(args, device), indent=2))
-        return
+    elif args.per_layer:
+        print(json.dumps(per_layer(args, device), indent=2))
+    else:
+        print(json.dumps(compare(args, cut(args), device), indent=2))
+
+
+# --per-layer: (dense layers, layers) of each cut; its seconds per token, on both sides, are
+# head + dense x D + sparse x S (the head: embedding, output layer, log-probs, and whatever a
+# forward costs whatever its depth)
+CUTS = {"1 dense": (1, 1), "2 dense": (2, 2), "1 dense + 1 sparse": (1, 2),
+        "1 dense + 2 sparse": (1, 3)}  # fmt: skip
+
+
+def per_layer(args: argparse.Namespace, device: torch.device) -> dict:
+    """The cuts of CUTS one after another (each as the default run: teacherq, then
+    transformers), each side's seconds per token of the head, of one dense and of one sparse
+    layer from their differences, and the ratio those project for the shape's full depth."""
+    full = SHAPES[args.shape]
+    if "first_k_dense_replace" not in full:
+        raise SystemExit(f"--per-layer needs a shape with dense first layers, not {args.shape}")
+    if args.skip_hf:
+        raise SystemExit("--per-layer compares both sides: leave out --skip-hf")
+    runs = {}
+    for name, (dense, layers) in CUTS.items():
+        cfg = shape(args.shape, tiny=args.tiny, layers=layers, dense=dense)
+        runs[name] = compare(args, cfg, device)
+    report: dict = {"shape": args.shape, "device": str(device), "versions": versions(),
+                    "tokens": runs["1 dense"]["tokens"], "cuts": runs}  # fmt: skip
+    n_dense = full["first_k_dense_replace"]
+    n_sparse = full["num_hidden_layers"] - n_dense
+    for side in ("teacherq", "hf"):
+        t = {name: 1.0 / run[side]["tokens_per_s"] for name, run in runs.items()}
+        dense = t["2 dense"] - t["1 dense"]
+        sparse_steps = [t["1 dense + 1 sparse"] - t["1 dense"],
+                        t["1 dense + 2 sparse"] - t["1 dense + 1 sparse"]]  # fmt: skip
+        sparse = (t["1 dense + 2 sparse"] - t["1 dense"]) / 2
+        head = t["1 dense"] - dense
+        report[side] = {
+            "us_per_token": {"head": 1e6 * head, "dense_layer": 1e6 * dense,
+                             "sparse_layer": 1e6 * sparse,
+                             "sparse_layer_each_step": [1e6 * x for x in sparse_steps]},
+            "projected_tokens_per_s": 1.0 / (head + n_dense * dense + n_sparse * sparse),
+        }  # fmt: skip
+    ours, theirs = report["teacherq"], report["hf"]
+    report["sparse_layer_ratio"] = (
+        theirs["us_per_token"]["sparse_layer"] / ours["us_per_token"]["sparse_layer"]
+    )
+    report["projected"] = {
+        "layers": full["num_hidden_layers"], "dense_layers": n_dense,
+        "ratio_teacherq_over_hf": ours["projected_tokens_per_s"] / theirs["projected_tokens_per_s"],
+    }  # fmt: skip
+    return report
+
+
+def compare(args: argparse.Namespace, cfg: dict, device: torch.device) -> dict:
+    """teacherq's model + head, then transformers' forward + log_softmax and its bare forward,
+    on the same documents, for the config.json fields `cfg`: the default run's report."""
     from transformers import AutoModelForCausalLM
 
     from consumer import cpu_compat
@@ -523,7 +596,6 @@ def main() -> None:
 
     cpu_compat.apply()
     layout = init_parallel(tp=1, pp=1)
-    cfg = cut(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     docs = documents(cfg, args)
     lengths = [len(d) for d in docs]
@@ -572,8 +644,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     if args.skip_hf:
-        print(json.dumps(report, indent=2))
-        return
+        return report
 
     if args.tiny:
         assert tmp is not None
@@ -601,7 +672,10 @@ def main() -> None:
             max(np.abs(a - b).max() for a, b in zip(ours, theirs, strict=True))
         )
         tmp.cleanup()
-    print(json.dumps(report, indent=2))
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
 
 
 if __name__ == "__main__":
