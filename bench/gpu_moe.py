@@ -45,8 +45,8 @@ one bf16 GEMM against three bf16 parts of the weight), each against float64.
 shape, one after another on the same documents: 1 dense layer, 2 dense, 1 dense + 1 sparse,
 1 dense + 2 sparse. Each side's seconds per token then give the head (embedding, output layer,
 log-probs), one dense layer and one sparse layer by difference, and from those the ratio the
-shape's full depth would have (DeepSeek-V3: 3 dense + 58 sparse). The cuts' head is a third of
-a 3-layer cut's time and under 3 % of the full model's.
+shape's full depth would have (DeepSeek-V3: 3 dense + 58 sparse). The head is a third of a
+3-layer cut's device time and about 2.5 % of the full model's FLOPs.
 
     python bench/gpu_moe.py                      # the full 48-layer model on one H200
     python bench/gpu_moe.py --layers 8 --docs 64

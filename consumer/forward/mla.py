@@ -138,7 +138,7 @@ class TeacherMLA(nn.Module):
         h, dtype, qk = spec.hidden_size, config.params_dtype, spec.kv_channels
 
         def linear(n_in: int, n_out: int) -> nn.Linear:
-            # no init of its own: torch's default draw (1.4 s a DeepSeek-V3 layer on this
+            # no init of its own: torch's default draw (0.9 s a DeepSeek-V3 layer on this
             # 2-core host) would be overwritten below or by the checkpoint
             return nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype)
 
