@@ -88,7 +88,7 @@ def variants(args: argparse.Namespace) -> list[Any]:
     import torch
 
     from consumer.checkpoints.hf_config import spec_from_hf_config
-    from consumer.serve import precompile, warmup
+    from consumer.serve import precompile
 
     if args.shape:
         from bench.gpu_common import SHAPES, shape
@@ -100,18 +100,18 @@ def variants(args: argparse.Namespace) -> list[Any]:
     else:
         spec, fp8 = precompile.model_shape(args.config)
         fp8 = fp8 or args.fp8
-    batches = warmup.plan(
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    plan = precompile.warmup_plan(
+        spec,
+        tp=args.tp,
+        tp_rank=0,
+        ep=args.ep,
+        dtype=dtype,
+        fp8=fp8,
         max_top_k=args.max_top_k,
         max_sample_n=args.max_sample_n,
-        vocab_size=spec.vocab_size,
-        max_input_tokens=spec.max_input_tokens,
         token_budget=args.token_budget,
         full=True,
-        graphs=False,
-    )
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    plan = precompile.plan(
-        spec, tp=args.tp, tp_rank=0, batches=batches, dtype=dtype, fp8=fp8, ep=args.ep
     )
     return [v for v in plan if not args.kernel or v.kernel in args.kernel]
 

@@ -169,6 +169,34 @@ def plan(
     return list(variants)
 
 
+def warmup_plan(
+    spec,
+    *,
+    tp: int,
+    tp_rank: int,
+    ep: int,
+    dtype: Any,
+    fp8: bool,
+    max_top_k: int,
+    max_sample_n: int,
+    token_budget: int,
+    full: bool,
+) -> list[Variant]:
+    """`plan` of the batches a warm-up with these settings runs (`warmup.plan`) for `spec`."""
+    from consumer.serve import warmup
+
+    batches = warmup.plan(
+        max_top_k=max_top_k,
+        max_sample_n=max_sample_n,
+        vocab_size=spec.vocab_size,
+        max_input_tokens=spec.max_input_tokens,
+        token_budget=token_budget,
+        full=full,
+        graphs=False,  # graph batches run the plain group, which every plan holds
+    )
+    return plan(spec, tp=tp, tp_rank=tp_rank, batches=batches, dtype=dtype, fp8=fp8, ep=ep)
+
+
 def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Variant:
     """The fused expert GEMMs' compile (consumer/kernels/expert_gemm.py) for this rank's
     experts: FP8 where an FP8 checkpoint's experts are whole 128-blocks (they load in FP8
@@ -381,27 +409,19 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         return 0
     # No set_device: it would create a CUDA context (memory on the GPU the consumer is
     # loading onto); compiling needs the device's capability only, the same for all of a host.
-    from consumer.serve import warmup
-
     spec, fp8 = model_shape(job.model_path)
     dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    batches = warmup.plan(
-        max_top_k=job.max_top_k,
-        max_sample_n=job.max_sample_n,
-        vocab_size=spec.vocab_size,
-        max_input_tokens=spec.max_input_tokens,
-        token_budget=job.token_budget,
-        full=job.full,
-        graphs=False,  # graph batches run the plain group, which every plan holds
-    )
-    variants = plan(
+    variants = warmup_plan(
         spec,
         tp=job.tp,
         tp_rank=job.tp_rank,
-        batches=batches,
+        ep=job.ep,
         dtype=dtypes.get(job.dtype, torch.float32),
         fp8=fp8,
-        ep=job.ep,
+        max_top_k=job.max_top_k,
+        max_sample_n=job.max_sample_n,
+        token_budget=job.token_budget,
+        full=job.full,
     )
     failures = 0
     mine = variants[index :: job.workers]
