@@ -119,6 +119,7 @@ def variants(args: argparse.Namespace) -> list[Any]:
 def compile_all(plan: list[Any]) -> list[dict]:
     """Compile each variant for the stand-in target; one report row per compiled kernel."""
     from consumer.kernels import launch
+    from consumer.serve.precompile import compile_variant
 
     found: list[Any] = []
 
@@ -131,8 +132,6 @@ def compile_all(plan: list[Any]) -> list[dict]:
         found.clear()
         began = time.monotonic()
         try:
-            from consumer.serve.precompile import compile_variant
-
             compile_variant(variant)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             rows.append({"variant": variant.name(), "error": f"{type(exc).__name__}: {exc}"})
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--config", help="a checkpoint directory (its config.json)")
     where.add_argument("--shape", help="a shape of bench/gpu_common.py (e.g. deepseek-v3)")
-    p.add_argument("--fp8", action="store_true", help="the block-scaled FP8 variants too")
+    p.add_argument("--fp8", action="store_true", help="as for a block-scaled FP8 checkpoint")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
