@@ -87,10 +87,11 @@ from bench.gpu_common import (
 )
 
 
-def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
+def _sweep(fp8: bool = False, tma_only: bool = False, paired_only: bool = False) -> list[tuple]:
     """(gate/up tiles, down tiles) pairs --sweep times besides the defaults: each GEMM's
     candidates with the other GEMM at its default (FP8: 128 deep, and 128 wide for gate/up,
-    whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape."""
+    whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape;
+    `paired_only`: the gate/up shapes that read fc1 paired (`Tiles.paired`)."""
     from consumer.kernels import expert_gemm as eg
     from consumer.kernels.expert_gemm import Tiles
 
@@ -108,7 +109,13 @@ def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
         ]
         first, second = eg.FP8_TILES, eg.FP8_DOWN_TILES
-        gate_up += [Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True)]
+        gate_up += [
+            Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True),
+            # one [BK, 256] operand: 64 rows on 8 warps keep its accumulator in registers
+            Tiles(bm=64, bn=128, bk=128, warps=8, stages=4, paired=True),
+            Tiles(bm=64, bn=128, bk=128, warps=8, stages=3, paired=True),
+            Tiles(bm=64, bn=128, bk=128, warps=8, stages=4, tma=True, paired=True),
+        ]
         down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
         gate_up = [
@@ -132,6 +139,11 @@ def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),  # the default before TMA
             Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=3, tma=True),
             Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True),
+            # gate and up as one [BK, 256] operand (one wgmma of N = 256)
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True, paired=True),
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=3, tma=True, paired=True),
+            Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=4, tma=True, paired=True),
+            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, paired=True),
         ]
         down += [
             Tiles(bm=128, bn=256, bk=64, warps=8, stages=3, tma=True),
@@ -145,6 +157,8 @@ def _sweep(fp8: bool = False, tma_only: bool = False) -> list[tuple]:
     both = (gate_up[-1], down[-1])
     pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
     chosen = [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
+    if paired_only:
+        chosen = [(a, b) for a, b in chosen if a.paired]
     return list(dict.fromkeys(chosen))  # each pair once
 
 
@@ -167,6 +181,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="--gemm-only: other tile shapes too")
     p.add_argument(
         "--tma-only", action="store_true", help="--sweep: only pairs where a GEMM reads through TMA"
+    )
+    p.add_argument(
+        "--paired-only", action="store_true", help="--sweep: only gate/up tiles on paired fc1"
     )
     p.add_argument(
         "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"
@@ -395,6 +412,43 @@ def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     return report
 
 
+def _paired(store: dict, fc1: torch.Tensor, scales: dict) -> tuple[torch.Tensor, dict]:
+    """fc1 and `scales` with fc1 (and fc1_scale) in pair_gate_up's layout, each copy made
+    once per weight and kept in `store`."""
+    from consumer.kernels.expert_gemm import pair_gate_up
+
+    def kept(w: torch.Tensor, block: int) -> torch.Tensor:
+        if id(w) not in store:
+            store[id(w)] = pair_gate_up(w, block)
+        return store[id(w)]
+
+    if "fc1_scale" in scales:
+        scales = scales | {"fc1_scale": kept(scales["fc1_scale"], 1)}
+    return kept(fc1, 128), scales
+
+
+def _tiled_ffn(x, rows, dst, weights, counts, fc1, fc2, out, tiles, scales, store) -> None:
+    """The fused expert FFN on one (gate/up, down) pair of tile shapes of the sweep; FP8
+    where `scales` holds the weights' scales; paired gate/up tiles read fc1 (and its scales)
+    paired, the copies kept in `store`."""
+    from consumer.forward import moe_gemm
+    from consumer.kernels import expert_gemm
+
+    first, second = tiles
+    if first.paired:
+        fc1, scales = _paired(store, fc1, scales)
+    row_start, tile_end = expert_gemm.schedule(counts, first.bm)
+    a, a_scale = moe_gemm._quantize(x) if scales else (x, None)
+    h, h_scale = expert_gemm.gate_up(
+        a, rows, fc1, row_start, tile_end, x_scale=a_scale,
+        fc1_scale=scales.get("fc1_scale"), tiles=first,
+    )  # fmt: skip
+    expert_gemm.down(
+        h, fc2, row_start, expert_gemm.schedule(counts, second.bm)[1], dst, weights, out,
+        h_scale=h_scale, fc2_scale=scales.get("fc2_scale"), tiles=second,
+    )  # fmt: skip
+
+
 def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     """Expert FFN of one layer on routed tokens, at the shape's expert sizes, on the same
     weights and routing: transformers' experts (Qwen3MoeExperts, the same expert math as
@@ -408,7 +462,6 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
 
     from consumer.checkpoints.hf_config import spec_from_hf_config
     from consumer.forward import moe_gemm
-    from consumer.kernels import expert_gemm
 
     spec = spec_from_hf_config(
         hf_config(
@@ -441,6 +494,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     if device.type == "cuda" and f % 128 == 0 and h % 128 == 0 and not args.bf16_only:
         (q1, s1), (q2, s2) = (moe_gemm._quantize_experts(w) for w in (fc1, fc2))
         quantized = {"fc1": q1, "fc2": q2, "fc1_scale": s1, "fc2_scale": s2}
+    paired: dict = {}  # fc1 (and its scales) in pair_gate_up's layout, once a sweep asks
 
     def ours(path: str, tiles=None, fp8: bool = False) -> torch.Tensor:
         out = torch.empty(tokens * k, h, device=device, dtype=dtype)
@@ -451,31 +505,8 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
                 x, rows, picks, weights.reshape(-1), counts, w1, w2, out, path=path, **scales
             )
         else:  # a pair of tile shapes of the sweep: (gate/up, down)
-            first, second = tiles
-            row_start, tile_end = expert_gemm.schedule(counts, first.bm)
-            a, a_scale = moe_gemm._quantize(x) if fp8 else (x, None)
-            hh, hs = expert_gemm.gate_up(
-                a,
-                rows,
-                w1,
-                row_start,
-                tile_end,
-                x_scale=a_scale,
-                fc1_scale=scales.get("fc1_scale"),
-                tiles=first,
-            )
-            expert_gemm.down(
-                hh,
-                w2,
-                row_start,
-                expert_gemm.schedule(counts, second.bm)[1],
-                picks,
-                weights.reshape(-1),
-                out,
-                h_scale=hs,
-                fc2_scale=scales.get("fc2_scale"),
-                tiles=second,
-            )
+            flat = weights.reshape(-1)
+            _tiled_ffn(x, rows, picks, flat, counts, w1, w2, out, tiles, scales, paired)
         return out.view(tokens, k, h).sum(dim=1)
 
     def theirs() -> torch.Tensor:
@@ -490,14 +521,15 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
         if device.type == "cuda":
             paths["triton"] = lambda: ours("triton")
-            sweep = _sweep(tma_only=args.tma_only) if args.sweep else []
+            only = {"tma_only": args.tma_only, "paired_only": args.paired_only}
+            sweep = _sweep(**only) if args.sweep else []
             paths |= {
                 f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
                 for a, b in sweep
             }
             if quantized:
                 paths["triton_fp8"] = lambda: ours("triton", fp8=True)
-                sweep = _sweep(fp8=True, tma_only=args.tma_only) if args.sweep else []
+                sweep = _sweep(fp8=True, **only) if args.sweep else []
                 paths |= {
                     f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
                     for a, b in sweep

@@ -45,6 +45,7 @@ from consumer.kernels.launch import Shaped, launch
 
 FP8_MAX = 448.0
 QUANT_GROUP = 128  # FP8: channels per activation scale, rows and columns per weight block
+PAIR_BLOCK = 128  # `pair_gate_up`: gate and up rows in turns of this many (= an FP8 block)
 _TINY = 1e-12
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -60,6 +61,9 @@ class Tiles:
     warps: int = 8
     stages: int = 3
     tma: bool = False  # the weights (and the second GEMM's rows) through Hopper's TMA unit
+    # gate/up: fc1 in `pair_gate_up`'s layout, each column tile's gate and up rows read and
+    # multiplied as one [BK, 2 BN] operand (one wgmma N = 2 BN instead of two of N = BN)
+    paired: bool = False
 
 
 # Chosen by `bench/gpu_moe.py --gemm-only --sweep` on an H200 at DeepSeek-V3's expert shape
@@ -95,6 +99,19 @@ def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.const
     else:
         tile = tl.load(ptrs, mask=depth[None, :] < left, other=0.0)
     return tile
+
+
+@triton.jit
+def _swiglu(acc, acc_up, BM: tl.constexpr, BN: tl.constexpr, PAIRED: tl.constexpr,
+            ROUND: tl.constexpr):  # fmt: skip
+    """silu(gate) * up of the gate/up GEMM's accumulators (PAIRED: both in `acc`, the columns
+    [gate tile; up tile]), each product rounded to the activations' dtype first, as the
+    unfused GEMM stores it (FP8: to bf16, the dtype of FP8 checkpoints' activations)."""
+    if PAIRED:
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+    gate = acc.to(ROUND).to(tl.float32)
+    up = acc_up.to(ROUND).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
@@ -139,6 +156,8 @@ def _expert_gemm_kernel(
     EVEN_K: tl.constexpr,
     TMA_A: tl.constexpr,
     TMA_B: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BW: tl.constexpr,
     ROUND: tl.constexpr,
     fp8_max: tl.constexpr,
     tiny: tl.constexpr,
@@ -170,7 +189,9 @@ def _expert_gemm_kernel(
         src = tl.where(live, rows, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     cols_in = cols < n_out
-    b_cols = tl.where(cols_in, cols, 0).to(tl.int64)  # in range, so the loads need no mask
+    # the weight rows of this column tile: BW = BN of them, or (PAIRED) 2 BN, gate then up
+    w_cols = pid_n * BW + tl.arange(0, BW)
+    b_cols = tl.where(w_cols < n_out * (BW // BN), w_cols, 0).to(tl.int64)  # no mask needed
     depth = tl.arange(0, BK)
     e64 = e.to(tl.int64)
 
@@ -185,10 +206,10 @@ def _expert_gemm_kernel(
         )
     if TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
         b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BN, BK]
+            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BW, BK]
         )
-        b_row = e * n_rows_b + pid_n * BN
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+        b_row = e * n_rows_b + pid_n * BW
+    acc = tl.zeros((BM, BW), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU: the up half's columns
     up_offset = n_out * stride_bn
     if FP8:
@@ -205,7 +226,7 @@ def _expert_gemm_kernel(
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc)
-        if SWIGLU:
+        if SWIGLU and not PAIRED:
             b_up = _operand(
                 b_ptrs + up_offset, b_desc, b_row + n_out, step, left, depth, BK, TMA_B, EVEN_K,
                 True,
@@ -219,14 +240,7 @@ def _expert_gemm_kernel(
         b_ptrs += BK
 
     out_ty = c_ptr.dtype.element_ty
-    if SWIGLU:
-        # each product rounded to the activations' dtype first, as the unfused GEMM stores it
-        # (FP8: to bf16, the dtype of FP8 checkpoints' activations, then quantized below)
-        gate = acc.to(ROUND).to(tl.float32)
-        up = acc_up.to(ROUND).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-    else:
-        y = acc
+    y = _swiglu(acc, acc_up, BM, BN, PAIRED, ROUND) if SWIGLU else acc
     dst = rows.to(tl.int64)
     if SCATTER:
         dst = tl.load(c_rows_ptr + rows, mask=live, other=0).to(tl.int64)
@@ -242,6 +256,20 @@ def _expert_gemm_kernel(
         tl.store(c_scale_ptr + dst * stride_cs_m + pid_n * stride_cs_k, scale, mask=live)
     else:
         tl.store(c_ptrs, y.to(out_ty), mask=keep)
+
+
+def pair_gate_up(w: torch.Tensor, block: int = PAIR_BLOCK) -> torch.Tensor:
+    """fc1 [E, 2f, K] = [gate; up] rows (or its FP8 scales [E, 2f/128, K/128], `block` = 1) in
+    the layout `Tiles.paired` reads: 128-row blocks of gate and up taken in turn, [gate rows
+    0-127; up rows 0-127; gate rows 128-255; ...], a copy. f must be a multiple of 128 rows
+    (of `block` rows)."""
+    e, two_f, k = w.shape
+    if two_f % (2 * block):
+        raise ValueError(
+            f"pairing gate and up needs f a multiple of {block} rows, not {two_f // 2}"
+        )
+    halves = w.reshape(e, 2, two_f // (2 * block), block, k)
+    return halves.transpose(1, 2).reshape(e, two_f, k)
 
 
 def _tma_ready(t: Any) -> bool:
@@ -302,6 +330,11 @@ def _launch(
     fp8 = a_scale is not None
     if fp8 and (tiles.bk != QUANT_GROUP or (swiglu and tiles.bn != QUANT_GROUP)):
         raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
+    if swiglu and tiles.paired and (tiles.bn != PAIR_BLOCK or n_out % PAIR_BLOCK):
+        raise ValueError(
+            f"paired gate/up tiles take BN = {PAIR_BLOCK} and an FFN size that is a multiple "
+            f"of it, not BN = {tiles.bn} and {n_out}"
+        )
     max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
     tma = tiles.tma and _tma_unit()
@@ -352,6 +385,8 @@ def _launch(
         EVEN_K=k % tiles.bk == 0,
         TMA_A=tma_a,
         TMA_B=tma_b,
+        PAIRED=swiglu and tiles.paired,
+        BW=tiles.bn * 2 if swiglu and tiles.paired else tiles.bn,
         ROUND=_ROUND[act_dtype],
         fp8_max=FP8_MAX,
         tiny=_TINY,
