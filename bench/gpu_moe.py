@@ -87,11 +87,11 @@ from bench.gpu_common import (
 )
 
 
-def _sweep(fp8: bool = False, tma_only: bool = False, paired_only: bool = False) -> list[tuple]:
+def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = None) -> list[tuple]:
     """(gate/up tiles, down tiles) pairs --sweep times besides the defaults: each GEMM's
     candidates with the other GEMM at its default (FP8: 128 deep, and 128 wide for gate/up,
     whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape;
-    `paired_only`: the gate/up shapes that read fc1 paired (`Tiles.paired`)."""
+    `only`: the pairs whose text holds one of these strings ("paired=True", "bk=32")."""
     from consumer.kernels import expert_gemm as eg
     from consumer.kernels.expert_gemm import Tiles
 
@@ -144,11 +144,17 @@ def _sweep(fp8: bool = False, tma_only: bool = False, paired_only: bool = False)
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=3, tma=True, paired=True),
             Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=4, tma=True, paired=True),
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, paired=True),
+            # 64 rows on one warp group, 32 deep: 80-100 KiB, two programs on an SM, one's
+            # loads and stores while the other multiplies
+            Tiles(bm=64, bn=128, bk=32, warps=4, stages=4, tma=True, paired=True),
+            Tiles(bm=64, bn=128, bk=32, warps=4, stages=5, tma=True, paired=True),
         ]
         down += [
             Tiles(bm=128, bn=256, bk=64, warps=8, stages=3, tma=True),
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
             Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, tma=True),
+            Tiles(bm=64, bn=256, bk=32, warps=4, stages=4),  # two programs an SM
+            Tiles(bm=64, bn=256, bk=32, warps=4, stages=5),
         ]
     # the defaults' shapes with TMA switched (on where off, off where on), each GEMM alone
     # and both together
@@ -157,8 +163,8 @@ def _sweep(fp8: bool = False, tma_only: bool = False, paired_only: bool = False)
     both = (gate_up[-1], down[-1])
     pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
     chosen = [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
-    if paired_only:
-        chosen = [(a, b) for a, b in chosen if a.paired]
+    if only:
+        chosen = [(a, b) for a, b in chosen if any(o in f"{a} {b}" for o in only)]
     return list(dict.fromkeys(chosen))  # each pair once
 
 
@@ -183,7 +189,9 @@ def parse_args() -> argparse.Namespace:
         "--tma-only", action="store_true", help="--sweep: only pairs where a GEMM reads through TMA"
     )
     p.add_argument(
-        "--paired-only", action="store_true", help="--sweep: only gate/up tiles on paired fc1"
+        "--only",
+        action="append",
+        help="--sweep: only the tile pairs whose text holds this (repeatable; e.g. paired=True)",
     )
     p.add_argument(
         "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"
@@ -521,7 +529,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
         if device.type == "cuda":
             paths["triton"] = lambda: ours("triton")
-            only = {"tma_only": args.tma_only, "paired_only": args.paired_only}
+            only = {"tma_only": args.tma_only, "only": args.only}
             sweep = _sweep(**only) if args.sweep else []
             paths |= {
                 f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
