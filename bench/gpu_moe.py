@@ -420,31 +420,13 @@ def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     return report
 
 
-def _paired(store: dict, fc1: torch.Tensor, scales: dict) -> tuple[torch.Tensor, dict]:
-    """fc1 and `scales` with fc1 (and fc1_scale) in pair_gate_up's layout, each copy made
-    once per weight and kept in `store`."""
-    from consumer.kernels.expert_gemm import pair_gate_up
-
-    def kept(w: torch.Tensor, block: int) -> torch.Tensor:
-        if id(w) not in store:
-            store[id(w)] = pair_gate_up(w, block)
-        return store[id(w)]
-
-    if "fc1_scale" in scales:
-        scales = scales | {"fc1_scale": kept(scales["fc1_scale"], 1)}
-    return kept(fc1, 128), scales
-
-
-def _tiled_ffn(x, rows, dst, weights, counts, fc1, fc2, out, tiles, scales, store) -> None:
+def _tiled_ffn(x, rows, dst, weights, counts, fc1, fc2, out, tiles, scales) -> None:
     """The fused expert FFN on one (gate/up, down) pair of tile shapes of the sweep; FP8
-    where `scales` holds the weights' scales; paired gate/up tiles read fc1 (and its scales)
-    paired, the copies kept in `store`."""
+    where `scales` holds the weights' scales."""
     from consumer.forward import moe_gemm
     from consumer.kernels import expert_gemm
 
     first, second = tiles
-    if first.paired:
-        fc1, scales = _paired(store, fc1, scales)
     row_start, tile_end = expert_gemm.schedule(counts, first.bm)
     a, a_scale = moe_gemm._quantize(x) if scales else (x, None)
     h, h_scale = expert_gemm.gate_up(
@@ -502,7 +484,6 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     if device.type == "cuda" and f % 128 == 0 and h % 128 == 0 and not args.bf16_only:
         (q1, s1), (q2, s2) = (moe_gemm._quantize_experts(w) for w in (fc1, fc2))
         quantized = {"fc1": q1, "fc2": q2, "fc1_scale": s1, "fc2_scale": s2}
-    paired: dict = {}  # fc1 (and its scales) in pair_gate_up's layout, once a sweep asks
 
     def ours(path: str, tiles=None, fp8: bool = False) -> torch.Tensor:
         out = torch.empty(tokens * k, h, device=device, dtype=dtype)
@@ -514,7 +495,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
             )
         else:  # a pair of tile shapes of the sweep: (gate/up, down)
             flat = weights.reshape(-1)
-            _tiled_ffn(x, rows, picks, flat, counts, w1, w2, out, tiles, scales, paired)
+            _tiled_ffn(x, rows, picks, flat, counts, w1, w2, out, tiles, scales)
         return out.view(tokens, k, h).sum(dim=1)
 
     def theirs() -> torch.Tensor:

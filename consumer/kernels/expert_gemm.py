@@ -45,7 +45,6 @@ from consumer.kernels.launch import Shaped, launch
 
 FP8_MAX = 448.0
 QUANT_GROUP = 128  # FP8: channels per activation scale, rows and columns per weight block
-PAIR_BLOCK = 128  # `pair_gate_up`: gate and up rows in turns of this many (= an FP8 block)
 _TINY = 1e-12
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -61,8 +60,8 @@ class Tiles:
     warps: int = 8
     stages: int = 3
     tma: bool = False  # the weights (and the second GEMM's rows) through Hopper's TMA unit
-    # gate/up: fc1 in `pair_gate_up`'s layout, each column tile's gate and up rows read and
-    # multiplied as one [BK, 2 BN] operand (one wgmma N = 2 BN instead of two of N = BN)
+    # gate/up: each column tile's gate and up rows read and multiplied as one [BK, 2 BN]
+    # operand (a wgmma of N = 2 BN instead of two of N = BN), one accumulator for both
     paired: bool = False
 
 
@@ -84,12 +83,19 @@ FP8_DOWN_TILES = FP8_TILES
 
 @triton.jit
 def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.constexpr,
-             EVEN_K: tl.constexpr, RIGHT: tl.constexpr):  # fmt: skip
+             EVEN_K: tl.constexpr, RIGHT: tl.constexpr, e=0,
+             PAIRED: tl.constexpr = False):  # fmt: skip
     """One BK-deep step of a GEMM operand: through its tensor descriptor from `row` (TMA; past
     the depth reads zeros), else through its pointers, masked past the depth unless EVEN_K.
-    RIGHT: the [BK, N] layout of tl.dot's right operand (stored [N, K])."""
+    RIGHT: the [BK, N] layout of tl.dot's right operand (stored [N, K]). PAIRED: the
+    descriptor is expert `e`'s [2, f, K] view of fc1 and one block holds gate's rows from
+    `row` and then up's, as one [2 BN, BK] tile."""
     if TMA:
-        tile = desc.load([row, step * BK])
+        if PAIRED:
+            tile = desc.load([e, 0, row, step * BK])
+            tile = tl.reshape(tile, [tile.shape[1] * tile.shape[2], tile.shape[3]])
+        else:
+            tile = desc.load([row, step * BK])
         if RIGHT:
             tile = tile.T
     elif EVEN_K:
@@ -189,9 +195,11 @@ def _expert_gemm_kernel(
         src = tl.where(live, rows, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     cols_in = cols < n_out
-    # the weight rows of this column tile: BW = BN of them, or (PAIRED) 2 BN, gate then up
-    w_cols = pid_n * BW + tl.arange(0, BW)
-    b_cols = tl.where(w_cols < n_out * (BW // BN), w_cols, 0).to(tl.int64)  # no mask needed
+    # the weight rows of this column tile: BW = BN of them, or (PAIRED) gate's BN and then
+    # up's, the up rows n_out further on; clamped in range, so the loads need no mask
+    w = tl.arange(0, BW)
+    w_cols = pid_n * BN + w % BN
+    b_cols = tl.where(w_cols < n_out, (w // BN) * n_out + w_cols, 0).to(tl.int64)
     depth = tl.arange(0, BK)
     e64 = e.to(tl.int64)
 
@@ -204,11 +212,17 @@ def _expert_gemm_kernel(
         a_desc = tl.make_tensor_descriptor(
             a_ptr, shape=[n_rows_a, k], strides=[stride_am, 1], block_shape=[BM, BK]
         )
-    if TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
+    if TMA_B and PAIRED:  # [E, 2, f, k]: gate's and up's rows of a column tile in one block
         b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BW, BK]
+            b_ptr, shape=[E, 2, n_out, k], strides=[stride_be, n_out * stride_bn, stride_bn, 1],
+            block_shape=[1, 2, BN, BK],
+        )  # fmt: skip
+        b_row = pid_n * BN
+    elif TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BN, BK]
         )
-        b_row = e * n_rows_b + pid_n * BW
+        b_row = e * n_rows_b + pid_n * BN
     acc = tl.zeros((BM, BW), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU: the up half's columns
     up_offset = n_out * stride_bn
@@ -219,7 +233,9 @@ def _expert_gemm_kernel(
     for step in range(0, tl.cdiv(k, BK)):
         left = k - step * BK
         a = _operand(a_ptrs, a_desc, row_lo, step, left, depth, BK, TMA_A, EVEN_K, False)
-        b = _operand(b_ptrs, b_desc, b_row, step, left, depth, BK, TMA_B, EVEN_K, True)
+        b = _operand(
+            b_ptrs, b_desc, b_row, step, left, depth, BK, TMA_B, EVEN_K, True, e, PAIRED
+        )  # fmt: skip
         if FP8:
             a_s = tl.load(as_ptrs + step * stride_as_k)
             b_s = tl.load(bs_ptrs + step * stride_bs_k)
@@ -256,20 +272,6 @@ def _expert_gemm_kernel(
         tl.store(c_scale_ptr + dst * stride_cs_m + pid_n * stride_cs_k, scale, mask=live)
     else:
         tl.store(c_ptrs, y.to(out_ty), mask=keep)
-
-
-def pair_gate_up(w: torch.Tensor, block: int = PAIR_BLOCK) -> torch.Tensor:
-    """fc1 [E, 2f, K] = [gate; up] rows (or its FP8 scales [E, 2f/128, K/128], `block` = 1) in
-    the layout `Tiles.paired` reads: 128-row blocks of gate and up taken in turn, [gate rows
-    0-127; up rows 0-127; gate rows 128-255; ...], a copy. f must be a multiple of 128 rows
-    (of `block` rows)."""
-    e, two_f, k = w.shape
-    if two_f % (2 * block):
-        raise ValueError(
-            f"pairing gate and up needs f a multiple of {block} rows, not {two_f // 2}"
-        )
-    halves = w.reshape(e, 2, two_f // (2 * block), block, k)
-    return halves.transpose(1, 2).reshape(e, two_f, k)
 
 
 def _tma_ready(t: Any) -> bool:
@@ -330,11 +332,6 @@ def _launch(
     fp8 = a_scale is not None
     if fp8 and (tiles.bk != QUANT_GROUP or (swiglu and tiles.bn != QUANT_GROUP)):
         raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
-    if swiglu and tiles.paired and (tiles.bn != PAIR_BLOCK or n_out % PAIR_BLOCK):
-        raise ValueError(
-            f"paired gate/up tiles take BN = {PAIR_BLOCK} and an FFN size that is a multiple "
-            f"of it, not BN = {tiles.bn} and {n_out}"
-        )
     max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
     tma = tiles.tma and _tma_unit()

@@ -186,7 +186,7 @@ EXPERTS = textwrap.dedent(
     # the weights, and the second GEMM's sorted rows, through tensor descriptors or pointers
     for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
         setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=bool(tma)))
-    # gate/up as one dot over fc1 (and its FP8 scales) in pair_gate_up's layout
+    # gate/up as one dot: each column tile's gate and up rows as one operand
     for name in ("BF16_TILES", "FP8_TILES"):
         setattr(eg, name, dataclasses.replace(getattr(eg, name), paired=bool(paired)))
     gen = torch.Generator().manual_seed(tokens + hidden)
@@ -208,10 +208,6 @@ EXPERTS = textwrap.dedent(
     got, want = (torch.full((tokens * k, hidden), float("nan"), dtype=dtype) for _ in "ab")
     call = (x, dst // k, dst, weights, counts, fc1, fc2)
     moe_gemm.routed_swiglu(*call, want, path="unfused", **scales)
-    if paired:
-        call = (x, dst // k, dst, weights, counts, eg.pair_gate_up(fc1), fc2)
-        if fp8:
-            scales["fc1_scale"] = eg.pair_gate_up(scales["fc1_scale"], block=1)
     moe_gemm.routed_swiglu(*call, got, path="triton", **scales)
     assert not got.isnan().any(), "a routed row was never written"
     diff = (got.float() - want.float()).abs()
@@ -233,9 +229,9 @@ EXPERTS = textwrap.dedent(
         (70, 2, 300, 72, 4, 2, 0, 0, 64, 0, 0),  # the down GEMM on 64 x 256 tiles, a partial one
         (37, 2, 200, 72, 5, 1, 0, 0, 0, 1, 0),  # through TMA: blocks past the depth and the rows
         (150, 2, 256, 128, 3, 0, 1, 0, 0, 1, 0),  # FP8 through TMA
-        (37, 2, 200, 256, 5, 1, 0, 0, 0, 1, 1),  # gate/up paired, two column tiles, TMA
-        (20, 2, 200, 256, 4, 2, 0, 0, 0, 0, 1),  # paired, by pointer
-        (150, 2, 256, 256, 3, 0, 1, 0, 0, 0, 1),  # FP8 paired (its scales paired too)
+        (37, 2, 200, 200, 5, 1, 0, 0, 0, 1, 1),  # gate/up paired; a partial column tile; TMA
+        (20, 2, 200, 200, 4, 2, 0, 0, 0, 0, 1),  # paired, two column tiles, by pointer
+        (150, 2, 256, 256, 3, 0, 1, 0, 0, 0, 1),  # FP8 paired: gate's and up's scales
     ],
 )
 def test_expert_gemm_kernels_match_the_unfused_path(
