@@ -91,7 +91,7 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
     """(gate/up tiles, down tiles) pairs --sweep times besides the defaults: each GEMM's
     candidates with the other GEMM at its default (FP8: 128 deep, and 128 wide for gate/up,
     whose SwiGLU quantizes h per 128 columns); `tma_only`: the pairs with a TMA shape;
-    `only`: the pairs whose text holds one of these strings ("paired=True", "bk=32")."""
+    `only`: the pairs whose text holds one of these strings (e.g. "stages=3", "bk=32")."""
     from consumer.kernels import expert_gemm as eg
     from consumer.kernels.expert_gemm import Tiles
 
@@ -111,10 +111,6 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
         first, second = eg.FP8_TILES, eg.FP8_DOWN_TILES
         gate_up += [
             Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True),
-            # one [BK, 256] operand: 64 rows on 8 warps keep its accumulator in registers
-            Tiles(bm=64, bn=128, bk=128, warps=8, stages=4, paired=True),
-            Tiles(bm=64, bn=128, bk=128, warps=8, stages=3, paired=True),
-            Tiles(bm=64, bn=128, bk=128, warps=8, stages=4, tma=True, paired=True),
         ]
         down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
@@ -139,22 +135,11 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),  # the default before TMA
             Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=3, tma=True),
             Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True),
-            # gate and up as one [BK, 256] operand (one wgmma of N = 256)
-            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True, paired=True),
-            Tiles(bm=128, bn=128, bk=64, warps=8, stages=3, tma=True, paired=True),
-            Tiles(bm=128, bn=128, bk=64, group_m=16, warps=8, stages=4, tma=True, paired=True),
-            Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, paired=True),
-            # 64 rows on one warp group, 32 deep: 80-100 KiB, two programs on an SM, one's
-            # loads and stores while the other multiplies
-            Tiles(bm=64, bn=128, bk=32, warps=4, stages=4, tma=True, paired=True),
-            Tiles(bm=64, bn=128, bk=32, warps=4, stages=5, tma=True, paired=True),
         ]
         down += [
             Tiles(bm=128, bn=256, bk=64, warps=8, stages=3, tma=True),
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
             Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, tma=True),
-            Tiles(bm=64, bn=256, bk=32, warps=4, stages=4),  # two programs an SM
-            Tiles(bm=64, bn=256, bk=32, warps=4, stages=5),
         ]
     # the defaults' shapes with TMA switched (on where off, off where on), each GEMM alone
     # and both together
@@ -191,7 +176,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--only",
         action="append",
-        help="--sweep: only the tile pairs whose text holds this (repeatable; e.g. paired=True)",
+        help="--sweep: only the tile pairs whose text holds this (repeatable; e.g. tma=True)",
     )
     p.add_argument(
         "--bf16-only", action="store_true", help="--gemm-only: no FP8 paths (less memory)"

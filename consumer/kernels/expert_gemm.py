@@ -60,9 +60,6 @@ class Tiles:
     warps: int = 8
     stages: int = 3
     tma: bool = False  # the weights (and the second GEMM's rows) through Hopper's TMA unit
-    # gate/up: each column tile's gate and up rows read and multiplied as one [BK, 2 BN]
-    # operand (a wgmma of N = 2 BN instead of two of N = BN), one accumulator for both
-    paired: bool = False
 
 
 # Chosen by `bench/gpu_moe.py --gemm-only --sweep` on an H200 at DeepSeek-V3's expert shape
@@ -83,19 +80,12 @@ FP8_DOWN_TILES = FP8_TILES
 
 @triton.jit
 def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.constexpr,
-             EVEN_K: tl.constexpr, RIGHT: tl.constexpr, e=0,
-             PAIRED: tl.constexpr = False):  # fmt: skip
+             EVEN_K: tl.constexpr, RIGHT: tl.constexpr):  # fmt: skip
     """One BK-deep step of a GEMM operand: through its tensor descriptor from `row` (TMA; past
     the depth reads zeros), else through its pointers, masked past the depth unless EVEN_K.
-    RIGHT: the [BK, N] layout of tl.dot's right operand (stored [N, K]). PAIRED: the
-    descriptor is expert `e`'s [2, f, K] view of fc1 and one block holds gate's rows from
-    `row` and then up's, as one [2 BN, BK] tile."""
+    RIGHT: the [BK, N] layout of tl.dot's right operand (stored [N, K])."""
     if TMA:
-        if PAIRED:
-            tile = desc.load([e, 0, row, step * BK])
-            tile = tl.reshape(tile, [tile.shape[1] * tile.shape[2], tile.shape[3]])
-        else:
-            tile = desc.load([row, step * BK])
+        tile = desc.load([row, step * BK])
         if RIGHT:
             tile = tile.T
     elif EVEN_K:
@@ -105,19 +95,6 @@ def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.const
     else:
         tile = tl.load(ptrs, mask=depth[None, :] < left, other=0.0)
     return tile
-
-
-@triton.jit
-def _swiglu(acc, acc_up, BM: tl.constexpr, BN: tl.constexpr, PAIRED: tl.constexpr,
-            ROUND: tl.constexpr):  # fmt: skip
-    """silu(gate) * up of the gate/up GEMM's accumulators (PAIRED: both in `acc`, the columns
-    [gate tile; up tile]), each product rounded to the activations' dtype first, as the
-    unfused GEMM stores it (FP8: to bf16, the dtype of FP8 checkpoints' activations)."""
-    if PAIRED:
-        acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
-    gate = acc.to(ROUND).to(tl.float32)
-    up = acc_up.to(ROUND).to(tl.float32)
-    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
@@ -162,8 +139,6 @@ def _expert_gemm_kernel(
     EVEN_K: tl.constexpr,
     TMA_A: tl.constexpr,
     TMA_B: tl.constexpr,
-    PAIRED: tl.constexpr,
-    BW: tl.constexpr,
     ROUND: tl.constexpr,
     fp8_max: tl.constexpr,
     tiny: tl.constexpr,
@@ -195,11 +170,7 @@ def _expert_gemm_kernel(
         src = tl.where(live, rows, 0).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     cols_in = cols < n_out
-    # the weight rows of this column tile: BW = BN of them, or (PAIRED) gate's BN and then
-    # up's, the up rows n_out further on; clamped in range, so the loads need no mask
-    w = tl.arange(0, BW)
-    w_cols = pid_n * BN + w % BN
-    b_cols = tl.where(w_cols < n_out, (w // BN) * n_out + w_cols, 0).to(tl.int64)
+    b_cols = tl.where(cols_in, cols, 0).to(tl.int64)  # in range, so the loads need no mask
     depth = tl.arange(0, BK)
     e64 = e.to(tl.int64)
 
@@ -212,18 +183,12 @@ def _expert_gemm_kernel(
         a_desc = tl.make_tensor_descriptor(
             a_ptr, shape=[n_rows_a, k], strides=[stride_am, 1], block_shape=[BM, BK]
         )
-    if TMA_B and PAIRED:  # [E, 2, f, k]: gate's and up's rows of a column tile in one block
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E, 2, n_out, k], strides=[stride_be, n_out * stride_bn, stride_bn, 1],
-            block_shape=[1, 2, BN, BK],
-        )  # fmt: skip
-        b_row = pid_n * BN
-    elif TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
+    if TMA_B:  # every expert's rows as one [E * n_rows_b, k] matrix; past k reads zeros
         b_desc = tl.make_tensor_descriptor(
             b_ptr, shape=[E * n_rows_b, k], strides=[stride_bn, 1], block_shape=[BN, BK]
         )
         b_row = e * n_rows_b + pid_n * BN
-    acc = tl.zeros((BM, BW), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU: the up half's columns
     up_offset = n_out * stride_bn
     if FP8:
@@ -233,16 +198,14 @@ def _expert_gemm_kernel(
     for step in range(0, tl.cdiv(k, BK)):
         left = k - step * BK
         a = _operand(a_ptrs, a_desc, row_lo, step, left, depth, BK, TMA_A, EVEN_K, False)
-        b = _operand(
-            b_ptrs, b_desc, b_row, step, left, depth, BK, TMA_B, EVEN_K, True, e, PAIRED
-        )  # fmt: skip
+        b = _operand(b_ptrs, b_desc, b_row, step, left, depth, BK, TMA_B, EVEN_K, True)
         if FP8:
             a_s = tl.load(as_ptrs + step * stride_as_k)
             b_s = tl.load(bs_ptrs + step * stride_bs_k)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc)
-        if SWIGLU and not PAIRED:
+        if SWIGLU:
             b_up = _operand(
                 b_ptrs + up_offset, b_desc, b_row + n_out, step, left, depth, BK, TMA_B, EVEN_K,
                 True,
@@ -256,7 +219,14 @@ def _expert_gemm_kernel(
         b_ptrs += BK
 
     out_ty = c_ptr.dtype.element_ty
-    y = _swiglu(acc, acc_up, BM, BN, PAIRED, ROUND) if SWIGLU else acc
+    if SWIGLU:
+        # each product rounded to the activations' dtype first, as the unfused GEMM stores it
+        # (FP8: to bf16, the dtype of FP8 checkpoints' activations, then quantized below)
+        gate = acc.to(ROUND).to(tl.float32)
+        up = acc_up.to(ROUND).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        y = acc
     dst = rows.to(tl.int64)
     if SCATTER:
         dst = tl.load(c_rows_ptr + rows, mask=live, other=0).to(tl.int64)
@@ -382,8 +352,6 @@ def _launch(
         EVEN_K=k % tiles.bk == 0,
         TMA_A=tma_a,
         TMA_B=tma_b,
-        PAIRED=swiglu and tiles.paired,
-        BW=tiles.bn * 2 if swiglu and tiles.paired else tiles.bn,
         ROUND=_ROUND[act_dtype],
         fp8_max=FP8_MAX,
         tiny=_TINY,

@@ -180,15 +180,12 @@ EXPERTS = textwrap.dedent(
 
     from consumer.kernels import expert_gemm as eg
 
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, paired = args
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma = args
     if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
         eg.BF16_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=64, warps=8, stages=3)
     # the weights, and the second GEMM's sorted rows, through tensor descriptors or pointers
     for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
         setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=bool(tma)))
-    # gate/up as one dot: each column tile's gate and up rows as one operand
-    for name in ("BF16_TILES", "FP8_TILES"):
-        setattr(eg, name, dataclasses.replace(getattr(eg, name), paired=bool(paired)))
     gen = torch.Generator().manual_seed(tokens + hidden)
     dtype = torch.float16 if half else torch.bfloat16
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -207,8 +204,8 @@ EXPERTS = textwrap.dedent(
     weights = torch.rand(tokens * k, generator=gen)
     got, want = (torch.full((tokens * k, hidden), float("nan"), dtype=dtype) for _ in "ab")
     call = (x, dst // k, dst, weights, counts, fc1, fc2)
-    moe_gemm.routed_swiglu(*call, want, path="unfused", **scales)
     moe_gemm.routed_swiglu(*call, got, path="triton", **scales)
+    moe_gemm.routed_swiglu(*call, want, path="unfused", **scales)
     assert not got.isnan().any(), "a routed row was never written"
     diff = (got.float() - want.float()).abs()
     scale = want.float().abs().max().item()
@@ -221,23 +218,20 @@ EXPERTS = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma", "paired"),
+    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma"),
     [
-        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
-        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0, 0),  # one token, fp16
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
-        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0, 0),  # the down GEMM on 64 x 256 tiles, a partial one
-        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1, 0),  # through TMA: blocks past the depth and the rows
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1, 0),  # FP8 through TMA
-        (37, 2, 200, 200, 5, 1, 0, 0, 0, 1, 1),  # gate/up paired; a partial column tile; TMA
-        (20, 2, 200, 200, 4, 2, 0, 0, 0, 0, 1),  # paired, two column tiles, by pointer
-        (150, 2, 256, 256, 3, 0, 1, 0, 0, 0, 1),  # FP8 paired: gate's and up's scales
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
+        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0),  # one token, fp16
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
+        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0),  # the down GEMM on 64 x 256 tiles, a partial one
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1),  # through TMA: blocks past the depth and the rows
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1),  # FP8 through TMA
     ],
 )
 def test_expert_gemm_kernels_match_the_unfused_path(
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, paired
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma
 ):
-    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, paired)
+    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma)
 
 
 # Latent attention's q, k, v for the flash kernel (consumer/kernels/mla_rope.py) against the
