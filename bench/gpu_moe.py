@@ -67,6 +67,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,6 +149,14 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
     both = (gate_up[-1], down[-1])
     pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
     chosen = [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
+    if not fp8:  # each expert's last part of at most 64 rows in a launch of 64-row tiles
+        up_tail = WithTail(first, Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True))
+        down_tails = [
+            WithTail(second, Tiles(bm=64, bn=256, bk=64, warps=4, stages=4)),
+            WithTail(second, Tiles(bm=64, bn=256, bk=64, warps=8, stages=4)),
+        ]
+        chosen += [(up_tail, second), *((first, t) for t in down_tails)]
+        chosen += [(up_tail, down_tails[0])]
     if only:
         chosen = [(a, b) for a, b in chosen if any(o in f"{a} {b}" for o in only)]
     return list(dict.fromkeys(chosen))  # each pair once
@@ -360,16 +369,13 @@ def each_gemm(x, rows, picks, weights, counts, fc1, fc2, iters: int) -> dict:
 
     f, h = fc2.shape[2], fc2.shape[1]
     out = torch.empty(rows.shape[0], h, device=x.device, dtype=x.dtype)
-    up_tiles, down_tiles = expert_gemm.BF16_TILES, expert_gemm.BF16_DOWN_TILES
-    row_start, up_end = expert_gemm.schedule(counts, up_tiles.bm)
-    down_end = expert_gemm.schedule(counts, down_tiles.bm)[1]
-    hh = expert_gemm.gate_up(x, rows, fc1, row_start, up_end)[0]
+    hh = expert_gemm.gate_up(x, rows, fc1, counts)[0]
 
     def first() -> None:
-        expert_gemm.gate_up(x, rows, fc1, row_start, up_end)
+        expert_gemm.gate_up(x, rows, fc1, counts)
 
     def second() -> None:
-        expert_gemm.down(hh, fc2, row_start, down_end, picks, weights, out)
+        expert_gemm.down(hh, fc2, counts, picks, weights, out)
 
     report = {}
     for name, fn, flops in (("triton_gate_up_alone", first, 2 * rows.shape[0] * 2 * f * h),
@@ -405,22 +411,33 @@ def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class WithTail:
+    """A sweep's tiles for one GEMM with a tail launch (`expert_gemm.schedule`): each
+    expert's last part of at most `tail.bm` rows in tiles of its own."""
+
+    tiles: Any
+    tail: Any
+
+    def __str__(self) -> str:
+        return f"{self.tiles} tail={self.tail}"
+
+
 def _tiled_ffn(x, rows, dst, weights, counts, fc1, fc2, out, tiles, scales) -> None:
-    """The fused expert FFN on one (gate/up, down) pair of tile shapes of the sweep; FP8
-    where `scales` holds the weights' scales."""
+    """The fused expert FFN on one (gate/up, down) pair of tile shapes of the sweep (each
+    Tiles, or WithTail); FP8 where `scales` holds the weights' scales."""
     from consumer.forward import moe_gemm
     from consumer.kernels import expert_gemm
 
-    first, second = tiles
-    row_start, tile_end = expert_gemm.schedule(counts, first.bm)
+    up, down = (t if isinstance(t, WithTail) else WithTail(t, None) for t in tiles)
     a, a_scale = moe_gemm._quantize(x) if scales else (x, None)
     h, h_scale = expert_gemm.gate_up(
-        a, rows, fc1, row_start, tile_end, x_scale=a_scale,
-        fc1_scale=scales.get("fc1_scale"), tiles=first,
+        a, rows, fc1, counts, x_scale=a_scale, fc1_scale=scales.get("fc1_scale"),
+        tiles=up.tiles, tail=up.tail,
     )  # fmt: skip
     expert_gemm.down(
-        h, fc2, row_start, expert_gemm.schedule(counts, second.bm)[1], dst, weights, out,
-        h_scale=h_scale, fc2_scale=scales.get("fc2_scale"), tiles=second,
+        h, fc2, counts, dst, weights, out, h_scale=h_scale, fc2_scale=scales.get("fc2_scale"),
+        tiles=down.tiles, tail=down.tail,
     )  # fmt: skip
 
 

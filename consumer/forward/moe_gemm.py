@@ -146,24 +146,15 @@ def routed_swiglu(
 def _fused(x, rows, dst, weights, counts, fc1, fc2, out, fc1_scale, fc2_scale) -> None:
     from consumer.kernels import expert_gemm as eg
 
-    fp8 = fc1_scale is not None
-    tiles = eg.FP8_TILES if fp8 else eg.BF16_TILES
-    down_tiles = eg.FP8_DOWN_TILES if fp8 else eg.BF16_DOWN_TILES
     # the kernels step along the last dim of each operand: contiguous rows (no-ops as called)
     x, fc1, fc2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, fc1, fc2))
-    row_start, tile_end = eg.schedule(counts, tiles.bm)
-    down_end = tile_end if down_tiles.bm == tiles.bm else eg.schedule(counts, down_tiles.bm)[1]
     x_scale = None
-    if fp8:
+    if fc1_scale is not None:
         x, x_scale = _quantize(x)
     h, h_scale = eg.gate_up(
-        x, rows, fc1, row_start, tile_end, x_scale=x_scale, fc1_scale=fc1_scale,
-        dtype=out.dtype, tiles=tiles,
+        x, rows, fc1, counts, x_scale=x_scale, fc1_scale=fc1_scale, dtype=out.dtype
     )  # fmt: skip
-    eg.down(
-        h, fc2, row_start, down_end, dst, weights, out, h_scale=h_scale, fc2_scale=fc2_scale,
-        tiles=down_tiles,
-    )  # fmt: skip
+    eg.down(h, fc2, counts, dst, weights, out, h_scale=h_scale, fc2_scale=fc2_scale)
 
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

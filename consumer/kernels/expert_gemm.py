@@ -21,10 +21,12 @@ product is scaled by its activation and weight scales, and the first GEMM quanti
 SwiGLU output the same way (per row and 128 columns) for the second.
 
 Scheduling without a host sync: every expert's rows are cut into tiles of BM rows; a program
-finds its expert from the running tile count (`tile_end`, a cumulative sum on the device) and
-exits when it lies past the last tile. The grid is sized for the worst case, cdiv(R, BM) + E
-row tiles. Programs are ordered in groups of GROUP_M row tiles (consecutive experts) that
-sweep all column tiles together, so an expert's weights are read from HBM about once.
+finds its expert from the running tile count (`schedule`'s table, cumulative sums on the
+device) and exits when it lies past the last tile. The grid is sized for the worst case,
+cdiv(R, BM) + E row tiles. With a tail launch, each expert's last part of at most BM' < BM
+rows runs in a second launch of BM'-row tiles, which pads fewer rows. Programs are ordered
+in groups of GROUP_M row tiles (consecutive experts) that sweep all column tiles together,
+so an expert's weights are read from HBM about once.
 
 `Tiles.tma`: the weights (every expert's rows as one matrix) and the second GEMM's sorted
 rows are read through tensor descriptors (Hopper's TMA unit) instead of pointer loads; the
@@ -76,6 +78,12 @@ FP8_TILES = Tiles(bm=64, bn=128, bk=128, warps=4, stages=4)
 # TFLOP/s (256 x 128: 413; 128 x 128 with 4 stages: 423). FP8 has not been swept this way.
 BF16_DOWN_TILES = Tiles(bm=128, bn=256, bk=64, warps=8, stages=4)
 FP8_DOWN_TILES = FP8_TILES
+# Each expert's last part of at most this many rows in a launch of its own (`schedule`), or
+# None: every row in the tiles above.
+BF16_TAIL_TILES: Tiles | None = None
+BF16_DOWN_TAIL_TILES: Tiles | None = None
+FP8_TAIL_TILES: Tiles | None = None
+FP8_DOWN_TAIL_TILES: Tiles | None = None
 
 
 @triton.jit
@@ -108,8 +116,7 @@ def _expert_gemm_kernel(
     c_scale_ptr,
     c_rows_ptr,
     weight_ptr,
-    row_start_ptr,
-    tile_end_ptr,
+    table_ptr,
     n_out,
     k,
     max_m_tiles,
@@ -152,15 +159,16 @@ def _expert_gemm_kernel(
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
 
-    # the expert of this row tile: how many experts' tiles end at or before it
+    # the expert of this row tile: how many experts' tiles end at or before it (`schedule`'s
+    # table: each expert's first row, end row and running tile count, E of each)
     experts = tl.arange(0, E_POW2)
-    ends = tl.load(tile_end_ptr + experts, mask=experts < E, other=2147483647)
+    ends = tl.load(table_ptr + 2 * E + experts, mask=experts < E, other=2147483647)
     e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
     if e >= E:
         return
-    tiles_before = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
-    row_lo = tl.load(row_start_ptr + e) + (pid_m - tiles_before) * BM
-    row_hi = tl.load(row_start_ptr + e + 1)
+    tiles_before = tl.load(table_ptr + 2 * E + e - 1, mask=e > 0, other=0)
+    row_lo = tl.load(table_ptr + e) + (pid_m - tiles_before) * BM
+    row_hi = tl.load(table_ptr + E + e)
 
     rows = row_lo + tl.arange(0, BM)
     live = rows < row_hi
@@ -267,14 +275,47 @@ def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def schedule(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_start int32 [E + 1], tile_end int32 [E]) of experts with `counts` rows each: the
-    first sorted row of each expert, and the running count of BM-row tiles. No host sync."""
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a GEMM over the sorted rows: its tiles, `table` int32 [3 E] (each
+    expert's first row, the row its tiles end at, and the running count of its tiles: the
+    kernel finds a program's expert there) and `max_m_tiles`, a bound on the row tiles known
+    without a host sync (the grid)."""
+
+    tiles: Tiles
+    table: Any
+    max_m_tiles: int
+
+
+def schedule(
+    counts: torch.Tensor, rows: int, tiles: Tiles, tail: Tiles | None = None
+) -> list[Launch]:
+    """The launches of a GEMM over `rows` rows sorted by expert, `counts` [E] of each: one on
+    `tiles`, or with `tail` (fewer rows a tile) two: each expert's rows in `tiles`' tiles but
+    a last part of at most `tail.bm` rows, which goes in one `tail` tile (at BM = 128 and 512
+    rows an expert, the padding falls from about 11 % to 6 %). Nothing is read back."""
     counts = counts.to(torch.int32)
-    row_start = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    torch.cumsum(counts, 0, out=row_start[1:])
-    tile_end = torch.cumsum(torch.div(counts + (bm - 1), bm, rounding_mode="floor"), 0)
-    return row_start, tile_end.to(torch.int32)
+    experts = counts.numel()
+    first = torch.zeros(experts, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts[:-1], 0, out=first[1:])
+    bm = tiles.bm
+    if tail is None:
+        n = torch.div(counts + (bm - 1), bm, rounding_mode="floor")
+        table = torch.cat((first, first + counts, torch.cumsum(n, 0, dtype=torch.int32)))
+        return [Launch(tiles, table, triton.cdiv(rows, bm) + experts)]
+    if not 0 < tail.bm < bm:
+        raise ValueError(f"a tail launch takes fewer rows a tile than {bm}, not {tail.bm}")
+    full = torch.div(counts, bm, rounding_mode="floor")
+    left = counts - full * bm
+    main = full + (left > tail.bm).to(torch.int32)
+    in_tail = ((left > 0) & (left <= tail.bm)).to(torch.int32)
+    main_end = first + torch.minimum(counts, main * bm)
+    return [
+        Launch(tiles, torch.cat((first, main_end, torch.cumsum(main, 0, dtype=torch.int32))),
+               triton.cdiv(rows, bm) + experts),
+        Launch(tail, torch.cat((first + full * bm, first + counts,
+                                torch.cumsum(in_tail, 0, dtype=torch.int32))), experts),
+    ]  # fmt: skip
 
 
 def _launch(
@@ -287,29 +328,26 @@ def _launch(
     c_scale,
     c_rows,
     weight,
-    row_start,
-    tile_end,
+    plan: Launch,
     *,
-    rows: int,
     n_out: int,
     k: int,
     swiglu: bool,
-    tiles: Tiles,
     act_dtype: torch.dtype,
     compile_only: bool = False,
 ) -> None:
     experts = b.shape[0]
     fp8 = a_scale is not None
+    tiles, max_m_tiles = plan.tiles, plan.max_m_tiles
     if fp8 and (tiles.bk != QUANT_GROUP or (swiglu and tiles.bn != QUANT_GROUP)):
         raise ValueError(f"FP8 expert GEMMs take BK (and BN for gate/up) = {QUANT_GROUP}")
-    max_m_tiles = triton.cdiv(rows, tiles.bm) + experts
     grid = (max_m_tiles * triton.cdiv(n_out, tiles.bn),)
     tma = tiles.tma and _tma_unit()
     tma_b = tma and _tma_ready(b)
     tma_a = tma and a_rows is None and _tma_ready(a)
     if tma_a or tma_b:
         triton.set_allocator(_workspace)  # the descriptors' global scratch (a context variable)
-    dummy_i = row_start
+    dummy_i = plan.table
     args = (
         a,
         a_scale if fp8 else a,
@@ -320,8 +358,7 @@ def _launch(
         c_scale if c_scale is not None else c,
         c_rows if c_rows is not None else dummy_i,
         weight if weight is not None else c,
-        row_start,
-        tile_end,
+        plan.table,
         n_out,
         k,
         max_m_tiles,
@@ -365,32 +402,36 @@ def gate_up(
     x: torch.Tensor,
     rows: torch.Tensor,
     fc1: torch.Tensor,
-    row_start: torch.Tensor,
-    tile_end: torch.Tensor,
+    counts: torch.Tensor,
     *,
     x_scale: torch.Tensor | None = None,
     fc1_scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
     tiles: Tiles | None = None,
+    tail: Tiles | None | str = "default",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """h [R, f] = silu(x[rows] @ gate^T) * (x[rows] @ up^T) per expert, fc1 [E, 2f, K] =
-    [gate; up] rows. FP8 (`x_scale` [T, K/128], `fc1_scale` [E, 2f/128, K/128]): h comes back
-    as float8_e4m3fn with its scales [R, f/128]; else h is in x's dtype and the scale None.
-    `dtype`: the activations' dtype the products are rounded to (default x's; FP8: bf16)."""
+    """h [R, f] = silu(x[rows] @ gate^T) * (x[rows] @ up^T) per expert, for rows sorted by
+    expert (`counts` [E] of each), fc1 [E, 2f, K] = [gate; up] rows. FP8 (`x_scale` [T,
+    K/128], `fc1_scale` [E, 2f/128, K/128]): h comes back as float8_e4m3fn with its scales
+    [R, f/128]; else h is in x's dtype and the scale None. `dtype`: the activations' dtype
+    the products are rounded to (default x's; FP8: bf16). `tiles`, `tail`: `schedule`'s
+    (defaults: the module's constants for the dtype; tail None: one launch)."""
     r, (two_f, k) = rows.shape[0], fc1.shape[1:]
     f = two_f // 2
     fp8 = x_scale is not None
     dtype = dtype or (torch.bfloat16 if fp8 else x.dtype)
     tiles = tiles or (FP8_TILES if fp8 else BF16_TILES)
+    if tail == "default":
+        tail = FP8_TAIL_TILES if fp8 else BF16_TAIL_TILES
     if fp8:
         h = torch.empty(r, f, dtype=torch.float8_e4m3fn, device=x.device)
         h_scale = torch.empty(r, triton.cdiv(f, QUANT_GROUP), dtype=torch.float32, device=x.device)
     else:
         h, h_scale = torch.empty(r, f, dtype=x.dtype, device=x.device), None
-    if r:
+    for plan in schedule(counts, r, tiles, tail) if r else ():
         _launch(
-            x, x_scale, rows, fc1, fc1_scale, h, h_scale, None, None, row_start, tile_end,
-            rows=r, n_out=f, k=k, swiglu=True, tiles=tiles, act_dtype=dtype,
+            x, x_scale, rows, fc1, fc1_scale, h, h_scale, None, None, plan,
+            n_out=f, k=k, swiglu=True, act_dtype=dtype,
         )  # fmt: skip
     return h, h_scale
 
@@ -398,8 +439,7 @@ def gate_up(
 def down(
     h: torch.Tensor,
     fc2: torch.Tensor,
-    row_start: torch.Tensor,
-    tile_end: torch.Tensor,
+    counts: torch.Tensor,
     dst: torch.Tensor,
     weights: torch.Tensor,
     out: torch.Tensor,
@@ -407,16 +447,20 @@ def down(
     h_scale: torch.Tensor | None = None,
     fc2_scale: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    tail: Tiles | None | str = "default",
 ) -> None:
-    """out[dst[i]] = weights[dst[i]] * (h[i] @ down_e^T) for the sorted rows i of expert e,
-    fc2 [E, N, f]; rows of `out` no dst names are left as they are. `row_start` and
-    `tile_end` are `schedule`'s at this launch's BM."""
+    """out[dst[i]] = weights[dst[i]] * (h[i] @ down_e^T) for the rows i sorted by expert
+    (`counts` [E] of each), fc2 [E, N, f]; rows of `out` no dst names are left as they are.
+    `tiles`, `tail`: as `gate_up`'s."""
     r, (n, f) = h.shape[0], fc2.shape[1:]
-    tiles = tiles or (FP8_DOWN_TILES if h_scale is not None else BF16_DOWN_TILES)
-    if r:
+    fp8 = h_scale is not None
+    tiles = tiles or (FP8_DOWN_TILES if fp8 else BF16_DOWN_TILES)
+    if tail == "default":
+        tail = FP8_DOWN_TAIL_TILES if fp8 else BF16_DOWN_TAIL_TILES
+    for plan in schedule(counts, r, tiles, tail) if r else ():
         _launch(
-            h, h_scale, None, fc2, fc2_scale, out, None, dst, weights, row_start, tile_end,
-            rows=r, n_out=n, k=f, swiglu=False, tiles=tiles, act_dtype=out.dtype,
+            h, h_scale, None, fc2, fc2_scale, out, None, dst, weights, plan,
+            n_out=n, k=f, swiglu=False, act_dtype=out.dtype,
         )  # fmt: skip
 
 
@@ -432,12 +476,15 @@ def precompile(
     """Compile, without launching, both GEMMs' variants for `experts` local experts of FFN
     `ffn` at `hidden`, activations in `dtype`, weights in FP8 (`fp8`) or `dtype`, routing
     weights in `routing_dtype` (consumer/serve/precompile.py)."""
-    tiles = FP8_TILES if fp8 else BF16_TILES
-    down_tiles = FP8_DOWN_TILES if fp8 else BF16_DOWN_TILES
+    if fp8:
+        up_tiles, down_tiles = (FP8_TILES, FP8_TAIL_TILES), (FP8_DOWN_TILES, FP8_DOWN_TAIL_TILES)
+    else:
+        up_tiles = (BF16_TILES, BF16_TAIL_TILES)
+        down_tiles = (BF16_DOWN_TILES, BF16_DOWN_TAIL_TILES)
     act = torch.float8_e4m3fn if fp8 else dtype
     weight_dtype = act
     g = triton.cdiv
-    idx = Shaped(torch.int32, (experts + 1,))
+    table = Shaped(torch.int32, (3 * experts,))
     rows = Shaped(torch.int64, (1,))
     x = Shaped(act, (1, hidden))
     # the activations' scales come outer-dim-major, [T_pad, G] with strides (1, T_pad)
@@ -450,8 +497,11 @@ def precompile(
     w2_s = Shaped(torch.float32, (experts, g(hidden, 128), g(ffn, 128))) if fp8 else None
     out = Shaped(dtype, (1, hidden))
     weights = Shaped(routing_dtype, (1,))
-    common: dict[str, Any] = {"rows": 1, "act_dtype": dtype, "compile_only": True}
-    _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, idx, idx, n_out=ffn, k=hidden,
-            swiglu=True, tiles=tiles, **common)  # fmt: skip
-    _launch(h, h_s, None, w2, w2_s, out, None, rows, weights, idx, idx, n_out=hidden, k=ffn,
-            swiglu=False, tiles=down_tiles, **common)  # fmt: skip
+    common: dict[str, Any] = {"act_dtype": dtype, "compile_only": True}
+    for tiles in filter(None, up_tiles):
+        _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, Launch(tiles, table, 1 + experts),
+                n_out=ffn, k=hidden, swiglu=True, **common)  # fmt: skip
+    for tiles in filter(None, down_tiles):
+        _launch(h, h_s, None, w2, w2_s, out, None, rows, weights,
+                Launch(tiles, table, 1 + experts), n_out=hidden, k=ffn, swiglu=False,
+                **common)  # fmt: skip

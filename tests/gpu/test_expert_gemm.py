@@ -114,6 +114,45 @@ def test_fp8_kernel_matches_its_quantized_operands_in_float32(tokens, experts, e
     assert rel_kernel <= 1.1 * rel_emulated + 1e-3, (rel_kernel, rel_emulated)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "tokens,experts,empty", [(1, 4, ()), (300, 64, (0, 63)), (2048, 256, (7,))]
+)
+def test_tail_launch_gives_the_one_launch_result(tokens, experts, empty, fp8, tma, monkeypatch):
+    """Each expert's last part of at most half a tile in a second launch of smaller tiles
+    (`schedule`'s tail): the same FFN as one launch gives."""
+    hidden, ffn, k = (512, 256, 4) if fp8 else (200, 200, 4)
+    gen = torch.Generator(device=CUDA).manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, device=CUDA, generator=gen).bfloat16()
+    w1 = torch.randn(experts, 2 * ffn, hidden, device=CUDA, generator=gen) / 16
+    w2 = torch.randn(experts, hidden, ffn, device=CUDA, generator=gen) / 16
+    if fp8:
+        (fc1, s1), (fc2, s2) = (moe_gemm._quantize_experts(w) for w in (w1, w2))
+        scales = {"fc1_scale": s1, "fc2_scale": s2}
+    else:
+        fc1, fc2, scales = w1.bfloat16(), w2.bfloat16(), {}
+    dst, counts, weights, k = _routing(tokens, k, experts, empty, gen)
+    args = (x, dst // k, dst, weights, counts, fc1, fc2)
+    want, got = (
+        torch.full((tokens * k, hidden), float("nan"), device=CUDA).bfloat16() for _ in "ab"
+    )
+    for name in ("BF16", "BF16_DOWN", "FP8", "FP8_DOWN"):
+        monkeypatch.setattr(expert_gemm, name + "_TAIL_TILES", None)
+    moe_gemm.routed_swiglu(*args, want, path="triton", **scales)
+    for name in ("BF16", "BF16_DOWN", "FP8", "FP8_DOWN"):
+        main = getattr(expert_gemm, name + "_TILES")
+        tail = dataclasses.replace(main, bm=main.bm // 2, warps=4)
+        monkeypatch.setattr(expert_gemm, name + "_TAIL_TILES", tail)
+    moe_gemm.routed_swiglu(*args, got, path="triton", **scales)
+    assert not got.isnan().any(), "a routed row was never written"
+    diff = (got.float() - want.float()).abs()
+    scale = want.float().abs().max().item()
+    # the same products; tiles of under 64 rows may take other MMA instructions, which sum
+    # in their own order (FP8: which can move one quantization step of SwiGLU's output)
+    assert diff.max().item() <= (0.03 if fp8 else 0.01) * scale, (diff.max(), scale)
+    assert diff.mean().item() <= 1e-3 * scale, (diff.mean(), scale)
+
+
 def test_auto_path_takes_the_fused_kernels_on_this_gpu():
     assert moe_gemm.fused_available(CUDA, torch.bfloat16)
     if torch.cuda.get_device_capability()[0] >= 9:

@@ -180,9 +180,14 @@ EXPERTS = textwrap.dedent(
 
     from consumer.kernels import expert_gemm as eg
 
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma = args
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, tail = args
     if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
         eg.BF16_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=64, warps=8, stages=3)
+    if tail:  # each expert's last part of at most `tail` rows in a launch of its own
+        for name, bn, bk in (("BF16", 128, 64), ("BF16_DOWN", 256, 64), ("FP8", 128, 128),
+                             ("FP8_DOWN", 128, 128)):  # fmt: skip
+            setattr(eg, name + "_TILES", eg.Tiles(bm=2 * tail, bn=bn, bk=bk, warps=4))
+            setattr(eg, name + "_TAIL_TILES", eg.Tiles(bm=tail, bn=bn, bk=bk, warps=4))
     # the weights, and the second GEMM's sorted rows, through tensor descriptors or pointers
     for name in ("BF16_TILES", "BF16_DOWN_TILES", "FP8_TILES", "FP8_DOWN_TILES"):
         setattr(eg, name, dataclasses.replace(getattr(eg, name), tma=bool(tma)))
@@ -218,20 +223,24 @@ EXPERTS = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma"),
+    ("tokens", "k", "hidden", "ffn", "experts", "empty", "fp8", "half", "down_bm", "tma", "tail"),
     [
-        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
-        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0),  # one token, fp16
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
-        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0),  # the down GEMM on 64 x 256 tiles, a partial one
-        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1),  # through TMA: blocks past the depth and the rows
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1),  # FP8 through TMA
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
+        (1, 2, 64, 32, 4, 3, 0, 1, 0, 0, 0),  # one token, fp16
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
+        (70, 2, 300, 72, 4, 2, 0, 0, 64, 0, 0),  # the down GEMM on 64 x 256 tiles, a partial one
+        (37, 2, 200, 72, 5, 1, 0, 0, 0, 1, 0),  # through TMA: blocks past the depth and the rows
+        (150, 2, 256, 128, 3, 0, 1, 0, 0, 1, 0),  # FP8 through TMA
+        # 32-row tiles and a launch of 16-row ones for each expert's last part: experts
+        # with and without one, with a last part that fills its 16 rows or not
+        (90, 2, 200, 72, 6, 4, 0, 0, 0, 1, 16),
+        (150, 2, 256, 128, 5, 0, 1, 0, 0, 0, 16),  # FP8
     ],
 )
 def test_expert_gemm_kernels_match_the_unfused_path(
-    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma
+    tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, tail
 ):
-    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma)
+    _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, tail)
 
 
 # Latent attention's q, k, v for the flash kernel (consumer/kernels/mla_rope.py) against the

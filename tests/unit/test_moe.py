@@ -175,6 +175,48 @@ def test_expert_gemm_equals_a_per_expert_reference():
     torch.testing.assert_close(swiglu_experts(x, fc1, fc2, counts), want2)
 
 
+@pytest.mark.parametrize("tail", [None, 64], ids=["one-launch", "tail-64"])
+def test_expert_gemm_schedule_covers_each_row_once(tail):
+    """The fused expert GEMMs' launches, walked as the kernel walks them (a program's expert
+    from the running tile count, its rows from the first-row and end-row tables): every
+    sorted row of every expert in exactly one tile, no tile past its expert, and with a tail
+    launch each expert's last part of at most 64 rows in one 64-row tile."""
+    pytest.importorskip("triton")
+    from consumer.kernels import expert_gemm as eg
+
+    counts = torch.tensor([0, 128, 129, 192, 193, 64, 1, 300])
+    starts = torch.cumsum(counts, 0) - counts
+    main = eg.Tiles(bm=128)
+    plans = eg.schedule(counts, int(counts.sum()), main, eg.Tiles(bm=tail) if tail else None)
+    seen = torch.zeros(int(counts.sum()), dtype=torch.int64)
+    tiles = []
+    for plan in plans:
+        first, end, tile_end = plan.table.view(3, -1).long()
+        assert int(tile_end[-1]) <= plan.max_m_tiles
+        for pid_m in range(plan.max_m_tiles):
+            e = int((tile_end <= pid_m).sum())
+            if e >= len(counts):
+                continue
+            before = int(tile_end[e - 1]) if e else 0
+            lo = int(first[e]) + (pid_m - before) * plan.tiles.bm
+            hi = min(lo + plan.tiles.bm, int(end[e]))
+            assert starts[e] <= lo < hi <= starts[e] + counts[e], (e, lo, hi)
+            seen[lo:hi] += 1
+            tiles.append((e, plan.tiles.bm, hi - lo))
+    assert seen.eq(1).all(), seen
+    per_expert = [sorted((bm, n) for e_, bm, n in tiles if e_ == e) for e in range(len(counts))]
+    if tail is None:
+        assert [len(t) for t in per_expert] == [0, 1, 2, 2, 2, 1, 1, 3]
+    else:  # 129 and 192 rows: one full tile and a tail; 193: two full tiles (65 left)
+        assert per_expert[2] == [(64, 1), (128, 128)]
+        assert per_expert[3] == [(64, 64), (128, 128)]
+        assert per_expert[4] == [(128, 65), (128, 128)]
+        assert per_expert[5] == [(64, 64)] and per_expert[6] == [(64, 1)]
+        assert per_expert[7] == [(64, 44), (128, 128), (128, 128)]
+    with pytest.raises(ValueError, match="fewer rows a tile"):
+        eg.schedule(counts, 1, main, eg.Tiles(bm=128))
+
+
 def test_grouped_gemm_call_agrees_with_the_loop():
     """The grouped GEMM as moe_gemm calls it (weights transposed, int32 end offsets), run where
     this torch has it on the CPU: the convention the CUDA path relies on."""

@@ -295,15 +295,21 @@ def test_no_workers_when_the_sealed_cache_holds_the_plan(
     assert precompile.Precompile.start(other, {}, cache).skipped == ""  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("tail", [False, True], ids=["", "tail"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_plan_covers_the_expert_gemms_and_latent_attention(
-    seen: dict[str, set], monkeypatch: pytest.MonkeyPatch, fp8: bool
+    seen: dict[str, set], monkeypatch: pytest.MonkeyPatch, fp8: bool, tail: bool
 ) -> None:
     """For a DeepSeek-V3-like spec (latent attention, sigmoid routing with float32 weights)
-    the plan compiles the fused expert GEMMs (bf16, or FP8 experts) and the latent attention
-    kernel as TeacherMoE and TeacherMLA launch them, whatever the batch's row count."""
+    the plan compiles the fused expert GEMMs (bf16, or FP8 experts; with or without a tail
+    launch) and the latent attention kernel as TeacherMoE and TeacherMLA launch them,
+    whatever the batch's row count."""
     from consumer.forward import moe_gemm
     from consumer.kernels import expert_gemm, fp8_quant, mla_rope
+
+    for name in ("BF16", "BF16_DOWN", "FP8", "FP8_DOWN") if tail else ():
+        main = getattr(expert_gemm, name + "_TILES")
+        monkeypatch.setattr(expert_gemm, name + "_TAIL_TILES", replace(main, bm=main.bm // 2))
 
     for module, name in (
         (expert_gemm, "_expert_gemm_kernel"),
