@@ -421,7 +421,7 @@ def gate_up(
     fp8 = x_scale is not None
     dtype = dtype or (torch.bfloat16 if fp8 else x.dtype)
     tiles = tiles or (FP8_TILES if fp8 else BF16_TILES)
-    if tail == "default":
+    if isinstance(tail, str):  # "default"
         tail = FP8_TAIL_TILES if fp8 else BF16_TAIL_TILES
     if fp8:
         h = torch.empty(r, f, dtype=torch.float8_e4m3fn, device=x.device)
@@ -455,7 +455,7 @@ def down(
     r, (n, f) = h.shape[0], fc2.shape[1:]
     fp8 = h_scale is not None
     tiles = tiles or (FP8_DOWN_TILES if fp8 else BF16_DOWN_TILES)
-    if tail == "default":
+    if isinstance(tail, str):  # "default"
         tail = FP8_DOWN_TAIL_TILES if fp8 else BF16_DOWN_TAIL_TILES
     for plan in schedule(counts, r, tiles, tail) if r else ():
         _launch(
