@@ -599,11 +599,30 @@ def per_layer(args: argparse.Namespace, device: torch.device) -> dict:
     report["sparse_layer_ratio"] = (
         theirs["us_per_token"]["sparse_layer"] / ours["us_per_token"]["sparse_layer"]
     )
+    steps = zip(theirs["us_per_token"]["sparse_layer_each_step"],
+                ours["us_per_token"]["sparse_layer_each_step"], strict=True)  # fmt: skip
+    report["sparse_layer_ratio_each_step"] = [t / o for t, o in steps]
+    report["near_memory_limit"] = near_memory_limit(runs, device)
     report["projected"] = {
         "layers": full["num_hidden_layers"], "dense_layers": n_dense,
         "ratio_teacherq_over_hf": ours["projected_tokens_per_s"] / theirs["projected_tokens_per_s"],
     }  # fmt: skip
     return report
+
+
+def near_memory_limit(runs: dict, device: torch.device, share: float = 0.85) -> list[str]:
+    """The cuts where a side's peak held more than `share` of the device's memory: a caching
+    allocator that close to the limit frees and maps memory again, which slows that side's
+    run, so the differences it enters into are not the layer's cost alone (--per-layer)."""
+    if device.type != "cuda":
+        return []
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return [
+        f"{name}: {side} peaked at {run[side]['peak_gib']:.1f} of {total:.1f} GiB"
+        for name, run in runs.items()
+        for side in ("teacherq", "hf")
+        if run[side].get("peak_gib", 0) > share * total
+    ]
 
 
 def compare(args: argparse.Namespace, cfg: dict, device: torch.device) -> dict:
