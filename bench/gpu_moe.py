@@ -110,9 +110,7 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
         ]
         first, second = eg.FP8_TILES, eg.FP8_DOWN_TILES
-        gate_up += [
-            Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True),
-        ]
+        gate_up += [Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True)]
         down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
         gate_up = [
@@ -149,7 +147,7 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
     both = (gate_up[-1], down[-1])
     pairs = [(t, second) for t in gate_up if t != first] + [(first, t) for t in down if t != second]
     chosen = [(a, b) for a, b in (*pairs, both) if a.tma or b.tma or not tma_only]
-    if not fp8:  # each expert's last part of at most 64 rows in a launch of 64-row tiles
+    if not fp8 and not tma_only:  # each expert's last part of at most 64 rows, 64-row tiles
         up_tail = WithTail(first, Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True))
         down_tails = [
             WithTail(second, Tiles(bm=64, bn=256, bk=64, warps=4, stages=4)),
@@ -618,8 +616,8 @@ def per_layer(args: argparse.Namespace, device: torch.device) -> dict:
 
 def near_memory_limit(runs: dict, device: torch.device, share: float = 0.85) -> list[str]:
     """The cuts where a side's peak held more than `share` of the device's memory: a caching
-    allocator that close to the limit frees and maps memory again, which slows that side's
-    run, so the differences it enters into are not the layer's cost alone (--per-layer)."""
+    allocator that close to the limit frees and maps memory again, which can slow that
+    side's run, so the differences it enters into may not be the layer's cost alone."""
     if device.type != "cuda":
         return []
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
