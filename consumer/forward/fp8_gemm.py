@@ -123,11 +123,13 @@ def _device_problem(index: int) -> str | None:
     return None
 
 
+@torch.no_grad()
 def quantize_weight(
     w_NK: torch.Tensor, block: tuple[int, int] = (GROUP, GROUP)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a weight as FP8 checkpoints store it: (float8_e4m3fn [N, K], float32
-    scale_inv [ceil(N / br), ceil(K / bc)]) with each block's absmax at 448."""
+    scale_inv [ceil(N / br), ceil(K / bc)]) with each block's absmax at 448. Without autograd:
+    from a parameter, a graph would keep the float32 copies of every block alive."""
     br, bc = block
     n, k = w_NK.shape
     nr, nc = -(-n // br), -(-k // bc)

@@ -54,3 +54,15 @@ def test_auto_path_on_cpu_is_emulated():
     auto = fp8_gemm.fp8_block_linear(x.view(1, 37, 512), w_q, w_s)
     assert auto.shape == (1, 37, 200)
     assert torch.equal(auto[0], fp8_gemm.fp8_block_linear(x, w_q, w_s, path="emulated"))
+
+
+def test_quantizing_a_parameter_keeps_no_autograd_graph():
+    """A model's weights are parameters: their quantized copies must not carry a graph, which
+    would hold every block's float32 intermediates (the GEMM bench's FP8 experts at
+    DeepSeek-V3's shape ran out of an H100's memory that way)."""
+    from consumer.forward import moe_gemm
+
+    w = torch.nn.Parameter(torch.randn(3, 256, 384))
+    for q, scale in (fp8_gemm.quantize_weight(w[0]), moe_gemm._quantize_experts(w)):
+        assert not q.requires_grad and not scale.requires_grad
+        assert q.grad_fn is None and scale.grad_fn is None
