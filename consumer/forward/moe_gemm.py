@@ -235,7 +235,7 @@ def _probe(device: torch.device, dtype: torch.dtype, fp8: bool) -> bool:
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a stack of expert weights [E, N, K] as FP8 checkpoints store them, one
-    expert at a time into the result (DeepSeek-V3's experts hold 15 GB a layer in bf16)."""
+    expert at a time into the result (DeepSeek-V3's gate/up weights are 15 GB a layer in bf16)."""
     e, n, k = w.shape
     g = fp8_gemm.GROUP
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
