@@ -110,7 +110,10 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=3),
         ]
         first, second = eg.FP8_TILES, eg.FP8_DOWN_TILES
-        gate_up += [Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True)]
+        gate_up += [
+            Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True),
+            Tiles(bm=64, bn=128, bk=128, warps=8, stages=4, tma=True),  # no spill (sm_90a)
+        ]
         down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
         gate_up = [

@@ -105,6 +105,16 @@ def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.const
     return tile
 
 
+@triton.jit
+def _scaled(product, a_s, b_s, TILE_SCALE: tl.constexpr):
+    """An FP8 step's partial product [BM, BN] times its activation scales [BM] and weight
+    scales: one for the tile (TILE_SCALE: one multiply an element, the scales' product taken
+    per row first) or one a column [BN]."""
+    if TILE_SCALE:
+        return product * (a_s * b_s)[:, None]
+    return product * a_s[:, None] * b_s[None, :]
+
+
 @triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
 def _expert_gemm_kernel(
     a_ptr,
@@ -143,6 +153,7 @@ def _expert_gemm_kernel(
     SWIGLU: tl.constexpr,
     SCATTER: tl.constexpr,
     FP8: tl.constexpr,
+    TILE_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA_A: tl.constexpr,
     TMA_B: tl.constexpr,
@@ -201,16 +212,19 @@ def _expert_gemm_kernel(
     up_offset = n_out * stride_bn
     if FP8:
         as_ptrs = a_scale_ptr + src * stride_as_m
-        bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (b_cols // BK) * stride_bs_n
-        bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + b_cols) // BK) * stride_bs_n
+        if TILE_SCALE:  # the tile's columns lie in one weight block: one scale a step
+            bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (pid_n * BN // BK) * stride_bs_n
+            bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + pid_n * BN) // BK) * stride_bs_n
+        else:  # one scale a column
+            bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (b_cols // BK) * stride_bs_n
+            bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + b_cols) // BK) * stride_bs_n
     for step in range(0, tl.cdiv(k, BK)):
         left = k - step * BK
         a = _operand(a_ptrs, a_desc, row_lo, step, left, depth, BK, TMA_A, EVEN_K, False)
         b = _operand(b_ptrs, b_desc, b_row, step, left, depth, BK, TMA_B, EVEN_K, True)
         if FP8:
             a_s = tl.load(as_ptrs + step * stride_as_k)
-            b_s = tl.load(bs_ptrs + step * stride_bs_k)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            acc += _scaled(tl.dot(a, b), a_s, tl.load(bs_ptrs + step * stride_bs_k), TILE_SCALE)
         else:
             acc = tl.dot(a, b, acc)
         if SWIGLU:
@@ -220,7 +234,7 @@ def _expert_gemm_kernel(
             )  # fmt: skip
             if FP8:
                 b_s_up = tl.load(bs_up_ptrs + step * stride_bs_k)
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * b_s_up[None, :]
+                acc_up += _scaled(tl.dot(a, b_up), a_s, b_s_up, TILE_SCALE)
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BK
@@ -386,6 +400,8 @@ def _launch(
         SWIGLU=swiglu,
         SCATTER=c_rows is not None,
         FP8=fp8,
+        # FP8: BN divides the weights' 128-wide blocks and the up half starts on a block
+        TILE_SCALE=fp8 and QUANT_GROUP % tiles.bn == 0 and n_out % QUANT_GROUP == 0,
         EVEN_K=k % tiles.bk == 0,
         TMA_A=tma_a,
         TMA_B=tma_b,

@@ -182,7 +182,9 @@ EXPERTS = textwrap.dedent(
 
     tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, tail = args
     if down_bm:  # the second GEMM on tiles of its own, scheduled at its own row count
+        # (FP8: 256 columns span two weight blocks, so one scale a column)
         eg.BF16_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=64, warps=8, stages=3)
+        eg.FP8_DOWN_TILES = eg.Tiles(bm=down_bm, bn=256, bk=128, warps=8, stages=3)
     if tail:  # each expert's last part of at most `tail` rows in a launch of its own
         for name, bn, bk in (("BF16", 128, 64), ("BF16_DOWN", 256, 64), ("FP8", 128, 128),
                              ("FP8_DOWN", 128, 128)):  # fmt: skip
@@ -227,7 +229,10 @@ EXPERTS = textwrap.dedent(
     [
         (37, 2, 200, 72, 5, 1, 0, 0, 0, 0, 0),  # depths not a multiple of the tile or of 128
         (1, 2, 64, 32, 4, 3, 0, 1, 0, 0, 0),  # one token, fp16
-        (150, 2, 256, 128, 3, 0, 1, 0, 0, 0, 0),  # FP8 block-quantized experts, two row tiles
+        # FP8 block-quantized experts, two row tiles, two column tiles of each GEMM (one
+        # weight scale a tile)
+        (150, 2, 256, 256, 3, 0, 1, 0, 0, 0, 0),
+        (150, 2, 384, 128, 3, 0, 1, 0, 64, 0, 0),  # FP8, the down GEMM one scale a column
         (70, 2, 300, 72, 4, 2, 0, 0, 64, 0, 0),  # the down GEMM on 64 x 256 tiles, a partial one
         (37, 2, 200, 72, 5, 1, 0, 0, 0, 1, 0),  # through TMA: blocks past the depth and the rows
         (150, 2, 256, 128, 3, 0, 1, 0, 0, 1, 0),  # FP8 through TMA
