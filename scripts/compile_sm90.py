@@ -134,7 +134,10 @@ def compile_all(plan: list[Any]) -> list[dict]:
         try:
             compile_variant(variant)
         except Exception as exc:  # noqa: BLE001 - reported per variant
-            rows.append({"variant": variant.name(), "error": f"{type(exc).__name__}: {exc}"})
+            error = f"{type(exc).__name__}: {exc}"
+            if exc.__cause__ is not None:  # Triton's CompilationError names the line; its cause
+                error += f"\ncaused by {type(exc.__cause__).__name__}: {exc.__cause__}"
+            rows.append({"variant": variant.name(), "error": error})
             continue
         seconds = time.monotonic() - began
         for kernel in found:

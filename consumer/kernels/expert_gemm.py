@@ -106,13 +106,18 @@ def _operand(ptrs, desc, row, step, left, depth, BK: tl.constexpr, TMA: tl.const
 
 
 @triton.jit
+def _block(offset, first_col, cols, BK: tl.constexpr, TILE_SCALE: tl.constexpr):
+    """The weight-scale block row of the tile's columns from `offset` (the up half's rows):
+    one for the tile (TILE_SCALE: its columns lie in one block) or one a column."""
+    return (offset + first_col) // BK if TILE_SCALE else (offset + cols) // BK
+
+
+@triton.jit
 def _scaled(product, a_s, b_s, TILE_SCALE: tl.constexpr):
     """An FP8 step's partial product [BM, BN] times its activation scales [BM] and weight
     scales: one for the tile (TILE_SCALE: one multiply an element, the scales' product taken
     per row first) or one a column [BN]."""
-    if TILE_SCALE:
-        return product * (a_s * b_s)[:, None]
-    return product * a_s[:, None] * b_s[None, :]
+    return product * (a_s * b_s)[:, None] if TILE_SCALE else product * a_s[:, None] * b_s[None, :]
 
 
 @triton.jit(do_not_specialize=["max_m_tiles", "n_rows_a", "n_rows_b"])  # row counts: one variant
@@ -212,12 +217,9 @@ def _expert_gemm_kernel(
     up_offset = n_out * stride_bn
     if FP8:
         as_ptrs = a_scale_ptr + src * stride_as_m
-        if TILE_SCALE:  # the tile's columns lie in one weight block: one scale a step
-            bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (pid_n * BN // BK) * stride_bs_n
-            bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + pid_n * BN) // BK) * stride_bs_n
-        else:  # one scale a column
-            bs_ptrs = b_scale_ptr + e64 * stride_bs_e + (b_cols // BK) * stride_bs_n
-            bs_up_ptrs = b_scale_ptr + e64 * stride_bs_e + ((n_out + b_cols) // BK) * stride_bs_n
+        bs_expert = b_scale_ptr + e64 * stride_bs_e
+        bs_ptrs = bs_expert + _block(0, pid_n * BN, b_cols, BK, TILE_SCALE) * stride_bs_n
+        bs_up_ptrs = bs_expert + _block(n_out, pid_n * BN, b_cols, BK, TILE_SCALE) * stride_bs_n
     for step in range(0, tl.cdiv(k, BK)):
         left = k - step * BK
         a = _operand(a_ptrs, a_desc, row_lo, step, left, depth, BK, TMA_A, EVEN_K, False)
