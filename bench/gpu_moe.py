@@ -113,6 +113,9 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
         gate_up += [
             Tiles(bm=128, bn=128, bk=128, warps=8, stages=3, tma=True),
             Tiles(bm=64, bn=128, bk=128, warps=8, stages=4, tma=True),  # no spill (sm_90a)
+            # 80 KiB of shared memory and 255 registers: two programs an SM, one's scaling
+            # beside the other's products
+            Tiles(bm=64, bn=128, bk=128, warps=4, stages=2),
         ]
         down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
