@@ -65,21 +65,23 @@ class Tiles:
 
 
 # Chosen by `bench/gpu_moe.py --gemm-only --sweep` on an H200 at DeepSeek-V3's expert shape
-# (docs/benchmarks.md): 444 TFLOP/s in bf16; FP8 (BK = 128, one scale block) 421 with 64 rows
-# and 4 warps, against 145-157 with 128 rows (its two accumulators and the scaled partial
-# products spill registers there). Since 2026-12-06 the bf16 gate/up GEMM reads its weights
-# through TMA with 4 stages: both GEMMs 2.2-3.4 % faster than by pointer with 3 stages, three
-# sweeps on one H200 (`--sweep --tma-only`).
+# (docs/benchmarks.md): 444 TFLOP/s in bf16. Since 2026-12-06 the bf16 gate/up GEMM reads its
+# weights through TMA with 4 stages: both GEMMs 2.2-3.4 % faster than by pointer with 3
+# stages, three sweeps on one H200 (`--sweep --tma-only`). FP8 (BK = 128, one scale block):
+# 64 rows, 4 warps and 2 stages (80 KiB of shared memory, so two programs share an SM and one
+# scales its partial products while the other multiplies), down through TMA: both GEMMs 537-542
+# TFLOP/s on an H100 (2026-12-07), against 460 with 4 stages by pointer and 459-464 for bf16.
 BF16_TILES = Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True)
-FP8_TILES = Tiles(bm=64, bn=128, bk=128, warps=4, stages=4)
+FP8_TILES = Tiles(bm=64, bn=128, bk=128, warps=4, stages=2)
 # The second GEMM (no SwiGLU: one accumulator, so wider tiles fit) has its own; `--sweep`
 # times each GEMM's candidates with the other GEMM at its default. On an H100 at DeepSeek-V3's
 # shape 128 x 256 tiles with 4 stages for the second GEMM took both GEMMs from 429 to 465
-# TFLOP/s (256 x 128: 413; 128 x 128 with 4 stages: 423). FP8 has not been swept this way.
+# TFLOP/s (256 x 128: 413; 128 x 128 with 4 stages: 423).
 BF16_DOWN_TILES = Tiles(bm=128, bn=256, bk=64, warps=8, stages=4)
-FP8_DOWN_TILES = FP8_TILES
+FP8_DOWN_TILES = Tiles(bm=64, bn=128, bk=128, warps=4, stages=4, tma=True)
 # Each expert's last part of at most this many rows in a launch of its own (`schedule`), or
-# None: every row in the tiles above.
+# None: every row in the tiles above. Off: 64-row tails for either bf16 GEMM gained nothing on
+# an H100 at DeepSeek-V3's shape (24.3-24.8 ms against 24.2, 2026-12-07).
 BF16_TAIL_TILES: Tiles | None = None
 BF16_DOWN_TAIL_TILES: Tiles | None = None
 FP8_TAIL_TILES: Tiles | None = None
