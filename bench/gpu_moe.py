@@ -116,6 +116,7 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
             # 80 KiB of shared memory and 255 registers: two programs an SM, one's scaling
             # beside the other's products
             Tiles(bm=64, bn=128, bk=128, warps=4, stages=2),
+            Tiles(bm=64, bn=128, bk=128, warps=4, stages=4),  # the default before 2026-12-07
         ]
         down += [Tiles(bm=128, bn=256, bk=128, warps=8, stages=3, tma=True)]
     else:
