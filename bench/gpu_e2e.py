@@ -395,15 +395,29 @@ HOST_STEPS: list[tuple[str, float, float]] = []
 
 def _quantize_linears(model) -> int:
     """Every tensor-parallel linear whose shape takes 128 x 128 blocks, block-quantized to
-    FP8 as published FP8 checkpoints are, and run through the FP8 GEMM (`--fp8`); returns
-    how many."""
+    FP8 as published FP8 checkpoints are, and run through the FP8 GEMM (`--fp8`); and every
+    MoE layer's routed experts, run through the FP8 expert GEMMs, as an FP8 checkpoint's
+    experts load (`hf_fp8_experts`). Latent attention's own linears and the shared experts
+    stay bf16, as that load leaves them. Returns how many linears and expert stacks."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from consumer.checkpoints.hf_fp8_experts import hold_fp8_experts
     from consumer.checkpoints.hf_fp8_linears import make_fp8_linear
-    from consumer.forward import fp8_gemm
+    from consumer.forward import fp8_gemm, moe_gemm
+    from consumer.forward.moe import TeacherMoE
 
     n = 0
     for name, module in model.named_modules():
+        if isinstance(module, TeacherMoE) and module.expert_scale("fc1") is None:
+            fc1, fc2 = module.experts_fc1, module.experts_fc2  # [E, 2, f, h], [E, h, f]
+            if fc1.shape[2] % fp8_gemm.GROUP or fc1.shape[3] % fp8_gemm.GROUP:
+                continue
+            q1, s1 = moe_gemm._quantize_experts(fc1.data.flatten(1, 2))
+            q2, s2 = moe_gemm._quantize_experts(fc2.data)
+            hold_fp8_experts(module, q1.view(fc1.shape), s1, q2, s2)
+            del fc1, fc2, q1, q2  # the bf16 experts go with the last reference
+            n += 2
+            continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         if name.endswith("output_layer"):  # published FP8 checkpoints keep lm_head in bf16
