@@ -22,7 +22,7 @@ For each side against the reference: mean, 99th percentile and largest |d log-pr
 position, and how often the side's most likely next token is the reference's. The JSON
 (`--out`) records the versions, the shape and every figure.
 
-    python bench/fp8_accuracy.py --shape qwen3-8b --hf-fp8-kernel /path/to/kernel
+    python bench/fp8_accuracy.py --shape qwen3-8b --hf-fp8-kernel /path/to/kernel   # 2 layers
     python bench/fp8_accuracy.py --shape deepseek-v3 --hf-fp8-kernel /path/to/kernel
     python bench/fp8_accuracy.py --tiny --device cpu     # the plumbing, on the CPU
 """
@@ -157,7 +157,7 @@ def use_hub_kernel(directory: Path) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=("qwen3-8b", "deepseek-v3"), default="qwen3-8b")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--docs", type=int, default=8)
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
@@ -196,7 +196,8 @@ def main() -> None:
             try:
                 got[name] = run()
             except Exception as exc:  # noqa: BLE001 - one side failing still reports the rest
-                report[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+                first = (str(exc).splitlines() or [""])[0]
+                report[name] = {"error": f"{type(exc).__name__}: {first}"}
                 continue
             report[name] = {"fp8_params": got[name]["fp8_params"], **against(got[name], ref)}
             if device.type == "cuda":
