@@ -143,7 +143,7 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
             Tiles(bm=64, bn=128, bk=64, warps=4, stages=4, tma=True),
             # 128-row tiles in 96 KiB of shared memory (3 stages of 32 KiB): two programs an
             # SM, one's epilogue beside the other's products, as FP8's 2-stage tile does
-            # (H100, 2026-12-07: 16-19 % slower than the default at three shapes)
+            # (H100, 2026-12-07: 16-20 % slower than the default at three shapes)
             Tiles(bm=128, bn=64, bk=64, warps=4, stages=3),
             Tiles(bm=128, bn=64, bk=64, warps=4, stages=3, tma=True),
         ]
@@ -152,8 +152,8 @@ def _sweep(fp8: bool = False, tma_only: bool = False, only: list[str] | None = N
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=4, tma=True),
             Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, tma=True),
             # two programs an SM (96 KiB each), the down GEMM's short K (2048 at DeepSeek-V3)
-            # making its epilogue a larger share of each tile (H100, 2026-12-07: even with
-            # the default through TMA, 1-8 % slower by pointer, at three shapes)
+            # making its epilogue a larger share of each tile (H100, 2026-12-07: within 4 %
+            # of the default through TMA, 7-9 % slower by pointer, at three shapes)
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=3),
             Tiles(bm=128, bn=128, bk=64, warps=4, stages=3),
             Tiles(bm=128, bn=128, bk=64, warps=8, stages=3, tma=True),
