@@ -189,7 +189,7 @@ def versions() -> dict:
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "triton", "megatron.core"):
+    for name in ("transformers", "triton", "megatron.core", "quack", "cutlass"):
         try:
             mod = __import__(name, fromlist=["__version__"])
             out[name] = getattr(mod, "__version__", "?")

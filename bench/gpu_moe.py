@@ -221,6 +221,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also time teacherq with long documents on the flash path",
     )
+    p.add_argument(
+        "--no-quack",
+        action="store_true",
+        help="teacherq's experts without quack-kernels' down GEMM even where it is installed",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -402,6 +407,99 @@ def each_gemm(x, rows, picks, weights, counts, fc1, fc2, iters: int) -> dict:
     return report
 
 
+def public_grouped_gemms(
+    x, rows, picks, weights, counts, fc1, fc2, want, hf: dict, iters: int
+) -> dict:
+    """The public grouped GEMMs for Hopper on the same routed rows, each GEMM alone beside
+    ours (`each_gemm`): torch's `_grouped_mm` (what transformers' experts call; its rows
+    gathered beforehand, no SwiGLU) and, where the package is installed, quack-kernels'
+    varlen-M GEMMs on the CuTe DSL: gate/up with SwiGLU (`gemm_gated`) gathering its rows
+    (`A_idx`) or on rows gathered beforehand (`_gathered`), down into the sorted rows;
+    autotuned (quack's default call), at quack's default tile (`_untuned`) and at the tiles
+    consumer/forward/quack_gemm.py pins (`_pinned`, what TeacherMoE runs). `quack_ffn`: a
+    whole FFN of quack's autotuned GEMMs, the routing weight and the scatter to [token,
+    choice] order as torch passes, checked against `want` (transformers' FFN) and timed
+    against `hf` (that FFN's entry). `first_call_s`: the first call's compile and tuning."""
+    f, h = fc2.shape[2], fc2.shape[1]
+    r, k = rows.shape[0], picks.numel() // x.shape[0]
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    flops = {"gate_up": 2 * r * 2 * f * h, "down": 2 * r * f * h}
+    report: dict = {}
+
+    def timed(name: str, fn, flops: float) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+            _sync(x.device)
+            first = time.perf_counter() - start
+            seconds = _timed(fn, x.device, iters)
+        except Exception as exc:  # noqa: BLE001 (a path that fails here: its error, not a stop)
+            report[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            return
+        report[name] = {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,
+                        "first_call_s": first}  # fmt: skip
+
+    gathered = x[rows]
+    h_ref = torch.empty(r, f, device=x.device, dtype=x.dtype)
+    timed("grouped_mm_gate_up_alone", lambda: torch._grouped_mm(gathered, fc1.mT, offs=ends),
+          flops["gate_up"])  # fmt: skip
+    timed("grouped_mm_down_alone", lambda: torch._grouped_mm(h_ref, fc2.mT, offs=ends),
+          flops["down"])  # fmt: skip
+    try:
+        from quack.gemm_interface import gemm, gemm_gated
+    except ImportError:  # quack-kernels is not a dependency: the bench runs without it
+        return report
+    from consumer.forward import quack_gemm
+    from consumer.kernels import expert_gemm
+
+    offsets = quack_gemm.offsets(counts)
+    index = rows.to(torch.int32)
+    routing = weights[picks].unsqueeze(1)  # each sorted row's routing weight
+
+    def gate_up(tuned: bool = True) -> torch.Tensor:
+        return gemm_gated(
+            x, fc1.mT, activation="swiglu", cu_seqlens_m=offsets, A_idx=index,
+            concat_layout=("B",), store_preact=False, tuned=tuned,
+        )[1]  # fmt: skip
+
+    hh = expert_gemm.gate_up(x, rows, fc1, counts)[0]
+
+    def down(tuned: bool = True) -> torch.Tensor:
+        return gemm(hh, fc2.mT, cu_seqlens_m=offsets, tuned=tuned)
+
+    def ffn() -> torch.Tensor:
+        y = gemm(gate_up(), fc2.mT, cu_seqlens_m=offsets)
+        out = torch.empty(r, h, device=x.device, dtype=x.dtype)
+        return out.index_copy_(0, picks, y.mul_(routing)).view(-1, k, h).sum(1)
+
+    def gate_up_gathered() -> torch.Tensor:  # the rows gathered beforehand (TMA loads)
+        return gemm_gated(
+            gathered, fc1.mT, activation="swiglu", cu_seqlens_m=offsets,
+            concat_layout=("B",), store_preact=False,
+        )[1]  # fmt: skip
+
+    for tuned, tag in ((True, ""), (False, "_untuned")):
+        timed(f"quack_gate_up_alone{tag}", functools.partial(gate_up, tuned), flops["gate_up"])
+        timed(f"quack_down_alone{tag}", functools.partial(down, tuned), flops["down"])
+    timed("quack_gate_up_gathered_alone", gate_up_gathered, flops["gate_up"])
+    # at the tiles consumer/forward/quack_gemm.py pins (what TeacherMoE runs; gate/up with
+    # its gather)
+    timed("quack_gate_up_alone_pinned", lambda: quack_gemm.gate_up(x, rows, fc1, offsets),
+          flops["gate_up"])  # fmt: skip
+    timed("quack_down_alone_pinned", lambda: quack_gemm.down(hh, fc2, offsets), flops["down"])
+    if "ms" in report.get("quack_gate_up_alone", {}):
+        # quack's SwiGLU takes the float32 products; ours rounds them to bf16 first
+        report["quack_gate_up_alone"]["max_abs_diff_vs_triton"] = (
+            (gate_up().float() - hh.float()).abs().max().item()
+        )
+    timed("quack_ffn", ffn, flops["gate_up"] + flops["down"])
+    if "ms" in report["quack_ffn"]:
+        report["quack_ffn"]["max_abs_diff_vs_hf"] = (ffn().float() - want).abs().max().item()
+        if "ms" in hf:
+            report["quack_ffn"]["speedup_vs_hf"] = hf["ms"] / report["quack_ffn"]["ms"]
+    return report
+
+
 def router_paths(spec, x: torch.Tensor, iters: int, seed: int) -> dict:
     """DeepSeekMoE's float32 router logits for `x`, side by side: the reference's float32
     GEMM (what transformers runs) and ours (one bf16 GEMM against three bf16 parts of the
@@ -458,6 +556,25 @@ def _tiled_ffn(x, rows, dst, weights, counts, fc1, fc2, out, tiles, scales) -> N
     )  # fmt: skip
 
 
+def _cuda_paths(args: argparse.Namespace, ours, fp8: bool) -> dict:
+    """--gemm-only's fused Triton paths on CUDA: the defaults, `--sweep`'s tile pairs, and
+    with `fp8` the same in FP8."""
+    paths = {"triton": lambda: ours("triton")}
+    only = {"tma_only": args.tma_only, "only": args.only}
+    sweep = _sweep(**only) if args.sweep else []
+    paths |= {
+        f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b)) for a, b in sweep
+    }
+    if fp8:
+        paths["triton_fp8"] = lambda: ours("triton", fp8=True)
+        sweep = _sweep(fp8=True, **only) if args.sweep else []
+        paths |= {
+            f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
+            for a, b in sweep
+        }
+    return paths
+
+
 def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     """Expert FFN of one layer on routed tokens, at the shape's expert sizes, on the same
     weights and routing: transformers' experts (Qwen3MoeExperts, the same expert math as
@@ -470,7 +587,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from consumer.checkpoints.hf_config import spec_from_hf_config
-    from consumer.forward import moe_gemm
+    from consumer.forward import moe_gemm, quack_gemm
 
     spec = spec_from_hf_config(
         hf_config(
@@ -528,25 +645,20 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         want = theirs().float()
         paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
         if device.type == "cuda":
-            paths["triton"] = lambda: ours("triton")
-            only = {"tma_only": args.tma_only, "only": args.only}
-            sweep = _sweep(**only) if args.sweep else []
-            paths |= {
-                f"triton up={a} down={b}": functools.partial(ours, "triton", (a, b))
-                for a, b in sweep
-            }
-            if quantized:
-                paths["triton_fp8"] = lambda: ours("triton", fp8=True)
-                sweep = _sweep(fp8=True, **only) if args.sweep else []
-                paths |= {
-                    f"triton_fp8 up={a} down={b}": functools.partial(ours, "triton", (a, b), True)
-                    for a, b in sweep
-                }
+            paths |= _cuda_paths(args, ours, bool(quantized))
+            if quack_gemm.available(device, dtype):  # quack's GEMMs and the combine kernel
+                paths["quack"] = functools.partial(
+                    moe_gemm.routed_combined, x, rows, picks, weights.reshape(-1), counts,
+                    fc1, fc2, k,
+                )  # fmt: skip
         for name, fn in paths.items():
             report[name] = _time_path(fn, want, device, iters, flops)
         apart = {}  # timed apart from the whole FFN: no speed-up against transformers' FFN
         if device.type == "cuda":
             apart |= each_gemm(x, rows, picks, weights.reshape(-1), counts, fc1, fc2, iters)
+            apart |= public_grouped_gemms(
+                x, rows, picks, weights.reshape(-1), counts, fc1, fc2, want, report["hf"], iters
+            )
             apart |= router_paths(spec, x, iters, args.seed)
         if quantized:
             emulated = ours("unfused", fp8=True).float()
@@ -567,6 +679,10 @@ def main() -> None:
     args = parse_args()
     configure_logging(level="warning", fmt="console")  # stdout carries the JSON report only
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if args.no_quack:  # the experts' Triton down GEMM, scatter and sum (moe_gemm.routed_swiglu)
+        from consumer.forward import quack_gemm
+
+        quack_gemm.available = lambda device, dtype: False
     if args.gemm_only:
         print(json.dumps(gemm_only(args, device), indent=2))
     elif args.per_layer:

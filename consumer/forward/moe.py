@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from consumer.forward.moe_gemm import routed_swiglu, swiglu
+from consumer.forward.moe_gemm import routed_combined, routed_swiglu, swiglu
 from consumer.forward.spec import ModelSpec
 
 log = structlog.get_logger("teacherq.consumer")
@@ -244,6 +244,13 @@ class TeacherMoE(torch.nn.Module):
         counts = torch.zeros(self.num_local, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert, torch.ones_like(expert))
         tokens = torch.div(picks, self.top_k, rounding_mode="floor")
+        fc1 = self.experts_fc1.flatten(1, 2)  # [E_local, 2 f_l, h]: [gate; up] rows
+        if self.expert_scale("fc1") is None:
+            combined = routed_combined(
+                x, tokens, picks, weights.reshape(-1), counts, fc1, self.experts_fc2, self.top_k
+            )
+            if combined is not None:  # quack's GEMMs and the combine kernel
+                return combined
         # each routed row lands at its [token, choice] row, then a sum over each token's k
         # choices: deterministic (an index_add_ of the k rows would race on CUDA atomics)
         full = (
@@ -257,7 +264,7 @@ class TeacherMoE(torch.nn.Module):
             picks,
             weights.reshape(-1),
             counts,
-            self.experts_fc1.flatten(1, 2),  # [E_local, 2 f_l, h]: [gate; up] rows
+            fc1,
             self.experts_fc2,
             full,
             fc1_scale=self.expert_scale("fc1"),

@@ -1,12 +1,15 @@
 """The expert GEMMs of a mixture-of-experts layer: SwiGLU FFNs of many experts over their tokens.
 
 `routed_swiglu` is what TeacherMoE calls: the tokens' rows sorted by expert, each expert's
-FFN, the routing weight, and each result stored at its [token, choice] row. On CUDA it runs
-the fused Triton grouped GEMMs (`consumer/kernels/expert_gemm.py`: the gather, SwiGLU, the
-weight and the scatter inside the two GEMMs), in bf16 or, for an FP8 checkpoint's
-block-quantized experts, in FP8. `path="unfused"` is the reference it is tested against: a
-gather, `swiglu_experts`, a multiply and a scatter (FP8 experts: the same quantized operands
-expanded by their scales and multiplied in float32).
+FFN, the routing weight, and each result stored at its [token, choice] row. Where
+quack-kernels is installed (sm90, bf16 experts), TeacherMoE calls `routed_combined` first:
+quack's two GEMMs on rows gathered in one pass, and each token's rows summed in another.
+
+On CUDA `routed_swiglu` runs the fused Triton grouped GEMMs (`consumer/kernels/expert_gemm.py`:
+the gather, SwiGLU, the weight and the scatter inside the two GEMMs), in bf16 or, for an FP8
+checkpoint's block-quantized experts, in FP8. `path="unfused"` is the reference it is tested
+against: a gather, `swiglu_experts`, a multiply and a scatter (FP8 experts: the same quantized
+operands expanded by their scales and multiplied in float32).
 
 Below that, rows arrive sorted by expert, `counts[e]` rows for local expert e. On CUDA the
 grouped GEMM torch provides (`torch.nn.functional.grouped_mm`, or `torch._grouped_mm` in older
@@ -141,6 +144,40 @@ def routed_swiglu(
         out[dst] = (y * weights[dst, None]).to(out.dtype)
     else:
         raise ValueError(f"path must be 'auto', 'triton' or 'unfused', got {path!r}")
+
+
+def routed_combined(
+    x: torch.Tensor,
+    tokens: torch.Tensor,
+    picks: torch.Tensor,
+    weights: torch.Tensor,
+    counts: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor | None:
+    """out [T, h] = the sum over each token's k choices of weight * FFN_e(x[token]), through
+    quack-kernels' GEMMs (consumer/forward/quack_gemm.py) and the combine kernel, where
+    that path serves: bf16 experts on a device `quack_gemm.available` accepts, widths whose
+    rows are whole 16-byte units. Else None: the caller takes `routed_swiglu` and its sum.
+
+    Arguments as `routed_swiglu`'s (`tokens` its `rows`, `picks` its `dst`); `weights` [T k]
+    flat. A choice no row names (another rank's expert) adds nothing."""
+    from consumer.forward import quack_gemm
+
+    hidden, ffn = fc2.shape[1], fc2.shape[2]
+    if not (x.is_cuda and fc1.dtype == fc2.dtype == x.dtype and hidden % 8 == ffn % 8 == 0):
+        return None
+    if not quack_gemm.available(x.device, x.dtype) or kernels.load(x.device) is None:
+        return None
+    from consumer.kernels import moe_combine
+
+    x, fc1, fc2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, fc1, fc2))
+    starts = quack_gemm.offsets(counts)
+    y = quack_gemm.down(quack_gemm.gate_up(x, tokens, fc1, starts), fc2, starts)
+    pos = torch.full((weights.numel(),), -1, dtype=torch.int64, device=x.device)
+    pos[picks] = torch.arange(picks.numel(), device=x.device)
+    return moe_combine.combine(y, pos, weights, top_k)
 
 
 def _fused(x, rows, dst, weights, counts, fc1, fc2, out, fc1_scale, fc2_scale) -> None:

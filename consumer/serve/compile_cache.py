@@ -10,16 +10,18 @@ Layout under the root (`consumer.compile_cache_dir`, else `<redis.home>/compile-
 
     <root>/<key>/triton/        TRITON_CACHE_DIR
     <root>/<key>/inductor/      TORCHINDUCTOR_CACHE_DIR
+    <root>/<key>/quack/         QUACK_CACHE_DIR (quack-kernels, where installed)
     <root>/<key>/manifest.json  the environment key and a sha256 per file, written after
                                 the warm-up (`CompileCache.seal`)
 
 `<key>` names the environment the kernels were compiled for (`environment_key`: torch,
-Triton, CUDA, the GPU model, Python, and a hash of the kernels' sources). A consumer in
-another environment uses another subdirectory (starting empty) and leaves the others for the
-machines they fit; subdirectories unused for `PRUNE_AFTER_S` are removed. A subdirectory
-whose manifest does not match its files (a file changed, truncated or missing, or a manifest
-that does not parse) is corrupt: it is moved aside (`<key>.corrupt-<time>`), one warning
-line names it, and the consumer starts on an empty one, which it seals after its warm-up.
+Triton, CUDA, the GPU model, Python, quack-kernels and the CuTe DSL if installed, and a hash
+of the kernels' sources). A consumer in another environment uses another subdirectory
+(starting empty) and leaves the others for the machines they fit; subdirectories unused for
+`PRUNE_AFTER_S` are removed. A subdirectory whose manifest does not match its files (a file
+changed, truncated or missing, or a manifest that does not parse) is corrupt: it is moved
+aside (`<key>.corrupt-<time>`), one warning line names it, and the consumer starts on an
+empty one, which it seals after its warm-up.
 Files written after the seal (by another rank or consumer) are not in the manifest; Triton
 writes each file atomically, and the next seal lists them.
 """
@@ -47,7 +49,13 @@ import structlog
 log = structlog.get_logger("teacherq.consumer")
 
 # environment variable -> subdirectory of the compile cache
-CACHE_VARIABLES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+# (QUACK_CACHE_DIR: quack-kernels' compiled GEMMs, where that optional package serves the
+# experts' down projection, consumer/forward/quack_gemm.py)
+CACHE_VARIABLES = {
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "QUACK_CACHE_DIR": "quack",
+}
 MANIFEST = "manifest.json"
 FORMAT = 1  # of the manifest and the layout; part of the key
 PRUNE_AFTER_S = 30 * 86400  # other environments' subdirectories, unused this long
@@ -122,6 +130,8 @@ def environment_key() -> dict[str, str]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "kernels": kernels_hash(),
+        "quack": _version("quack-kernels"),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
     }
 
 

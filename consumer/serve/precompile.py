@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -145,7 +146,7 @@ def plan(
             params = (("heads", heads), ("dim", spec.kv_channels), ("dtype", dtype))
             variants[Variant("rope", params)] = None
     if spec.is_moe:
-        variants[_experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)] = None
+        variants |= dict.fromkeys(_experts_variants(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8))
     if spec.is_mla:
         params = (("heads", spec.num_attention_heads // tp), ("nope", spec.qk_nope_head_dim),
                   ("rope", spec.qk_rope_head_dim), ("v", spec.v_head_dim),
@@ -212,6 +213,18 @@ def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Varian
               ("dtype", dtype), ("fp8", fp8_experts),
               ("routing_dtype", torch.float32 if float_weights else dtype))  # fmt: skip
     return Variant("expert_gemm", params)
+
+
+def _experts_variants(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> list[Variant]:
+    """`_experts_variant`, and where quack-kernels is installed and the experts are not FP8,
+    the combine kernel that follows quack's down GEMM (`moe_gemm.routed_combined`)."""
+    experts = _experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)
+    params = dict(experts.params)
+    if params["fp8"] or importlib.util.find_spec("quack") is None:
+        return [experts]
+    combine = (("hidden", spec.hidden_size), ("top_k", spec.moe_top_k), ("dtype", dtype),
+               ("routing_dtype", params["routing_dtype"]))  # fmt: skip
+    return [experts, Variant("moe_combine", combine)]
 
 
 def compile_variant(variant: Variant) -> None:

@@ -97,6 +97,7 @@ def test_ready_reports_phases_caches_and_every_warmed_output(
     assert warmed["compile_caches"] == {
         "TRITON_CACHE_DIR": str(keyed / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(keyed / "inductor"),
+        "QUACK_CACHE_DIR": str(keyed / "quack"),
     }
     assert (keyed / "triton").is_dir() and (keyed / "inductor").is_dir()
     assert (keyed / "manifest.json").is_file()

@@ -248,6 +248,38 @@ def test_expert_gemm_kernels_match_the_unfused_path(
     _run(EXPERTS, tokens, k, hidden, ffn, experts, empty, fp8, half, down_bm, tma, tail)
 
 
+# The combine kernel (consumer/kernels/moe_combine.py): each token's routed rows, found by
+# position (-1: a choice another rank served), weighted and summed, against a float64 sum.
+COMBINE = textwrap.dedent(
+    """
+    from consumer.kernels import moe_combine
+
+    tokens, k, hidden, half, missing = args
+    gen = torch.Generator().manual_seed(tokens * k + hidden)
+    dtype = torch.float16 if half else torch.float32
+    y = torch.randn(tokens * k, hidden, generator=gen).to(dtype)
+    pos = torch.randperm(tokens * k, generator=gen)
+    weights = torch.rand(tokens * k, generator=gen)
+    pos[torch.rand(tokens * k, generator=gen) < missing / 100] = -1
+    got = moe_combine.combine(y, pos, weights.to(dtype), k)
+    rows = y.double()[pos.clamp(min=0)] * (pos >= 0)[:, None]
+    want = (rows * weights.to(dtype).double()[:, None]).view(tokens, k, hidden).sum(1)
+    assert got.dtype == dtype and got.shape == (tokens, hidden), (got.dtype, got.shape)
+    tol = 2e-3 if half else 1e-5
+    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "hidden", "half", "missing"),
+    [(5, 8, 1500, 0, 0), (3, 1, 64, 1, 0), (9, 4, 200, 0, 40)],  # two column blocks, top-1,
+)  # a third of the choices on another rank's experts
+def test_combine_kernel_sums_each_tokens_weighted_rows(tokens, k, hidden, half, missing):
+    _run(COMBINE, tokens, k, hidden, half, missing)
+
+
 # Latent attention's q, k, v for the flash kernel (consumer/kernels/mla_rope.py) against the
 # PyTorch ops TeacherMLA runs elsewhere: de-interleave, concatenate, pad, rotate.
 MLA = textwrap.dedent(

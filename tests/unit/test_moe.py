@@ -453,3 +453,17 @@ def test_the_routers_bf16_parts_sum_to_its_float32_weight_exactly():
     total = (parts[0].float() + parts[1].float()) + parts[2].float()
     assert torch.equal(total, weight)
     assert not torch.equal(parts[0].float(), weight)  # the other two parts carry bits
+
+
+def test_quack_path_is_not_taken_on_the_cpu():
+    """The quack-kernels path (`moe_gemm.routed_combined`) serves sm90 devices only: on the CPU
+    it declines, and TeacherMoE takes the scatter and sum."""
+    from consumer.forward import moe_gemm, quack_gemm
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    fc1, fc2 = torch.randn(2, 16, 16, dtype=torch.bfloat16), torch.randn(2, 16, 8).bfloat16()
+    picks = torch.arange(8)
+    counts = torch.tensor([4, 4])
+    assert not quack_gemm.available(torch.device("cpu"), torch.bfloat16)
+    got = moe_gemm.routed_combined(x, picks // 2, picks, torch.ones(8), counts, fc1, fc2, 2)
+    assert got is None

@@ -427,3 +427,42 @@ def test_the_plan_compiles_latent_attention_where_the_kernel_takes_the_sizes() -
         found[name] = [dict(v.params) for v in variants if v.kernel == "mla_attention"]
     assert found["deepseek"] == [{"heads": 4, "qk_dim": 192, "v_dim": 128, "dtype": torch.bfloat16}]
     assert found["small"] == []
+
+
+@pytest.mark.parametrize("quack", [True, False], ids=["quack-installed", "no-quack"])
+def test_moe_plan_covers_the_combine_launch_where_quack_serves(
+    seen: dict[str, set], monkeypatch: pytest.MonkeyPatch, quack: bool
+) -> None:
+    """Where quack-kernels is installed (it serves the experts' down GEMM on sm90), the plan
+    compiles the combine kernel that follows it, as `routed_combined` launches it; without
+    quack, and for FP8 experts, it does not."""
+    import importlib.util
+
+    from consumer.forward.moe import float_routing_weights
+    from consumer.kernels import moe_combine
+
+    monkeypatch.setattr(
+        moe_combine, "_combine_kernel", Recorder(moe_combine._combine_kernel, "_combine", seen)
+    )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        precompile.importlib.util,
+        "find_spec",
+        lambda name, *a: (real("json") if quack else None) if name == "quack" else real(name, *a),
+    )
+    spec = replace(  # experts of whole 128-blocks: they load in FP8 from an FP8 checkpoint
+        TINY, family="qwen3_moe", hidden_size=128, num_experts=4, moe_top_k=2,
+        moe_ffn_hidden_size=128,
+    )  # fmt: skip
+    routing = torch.float32 if float_routing_weights(spec) else torch.bfloat16
+    y = torch.zeros(6 * spec.moe_top_k, spec.hidden_size, dtype=torch.bfloat16)
+    pos = torch.arange(6 * spec.moe_top_k)
+    moe_combine.combine(y, pos, torch.ones(pos.numel(), dtype=routing), spec.moe_top_k)
+    for fp8 in (False, True):
+        variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=torch.bfloat16, fp8=fp8)
+        kernels = {v.kernel for v in variants}
+        assert ("moe_combine" in kernels) == (quack and not fp8), (fp8, kernels)
+        for variant in variants:
+            if variant.kernel == "moe_combine":
+                precompile.compile_variant(variant)
+    assert seen["launched"] and (seen["launched"] <= seen["compiled"]) == quack

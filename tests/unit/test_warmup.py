@@ -163,6 +163,7 @@ def test_compile_cache_follows_setting_then_environment_then_home(tmp_path: Path
     assert got.variables == {
         "TRITON_CACHE_DIR": str(keyed / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(keyed / "inductor"),
+        "QUACK_CACHE_DIR": str(keyed / "quack"),
     }
     assert Path(got.variables["TRITON_CACHE_DIR"]).is_dir() and got.state == "new"
     env: dict[str, str] = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}

@@ -1,0 +1,128 @@
+"""The experts' two GEMMs through quack-kernels, where that optional package is installed.
+
+quack-kernels (`pip install teacherq[hopper]`) holds GEMMs written in CUTLASS's CuTe DSL for
+Hopper: warp-specialized, TMA loads and stores, wgmma. Its varlen-M GEMM multiplies rows sorted
+by expert (`cu_seqlens_m`: each expert's first row) by that expert's weights in one launch;
+its gated variant applies SwiGLU to the gate and up products before it stores. At
+DeepSeek-V3's experts (16384 tokens, H100, docs/benchmarks.md) against our Triton kernels:
+
+    gate/up + SwiGLU   12.7 ms on rows gathered beforehand, 15.7 gathering in the kernel
+                       (ours: 15.7; Hopper's TMA cannot gather, so a gathering kernel loads
+                       its rows with plain loads)
+    down               6.1 ms into rows in expert order (ours, which also multiplies by the
+                       routing weight and scatters to [token, choice] rows: 8.5)
+
+So `gate_up` gathers the rows in one pass first, and `down`'s rows stay in expert order:
+`consumer/kernels/moe_combine.py` then sums each token's rows with their weights, in the pass
+the scatter path spends on its sum over k. `moe_gemm.routed_combined` puts them together.
+
+Used on sm90 for bf16 experts, after a check against torch on the device (`available`);
+FP8 experts and other devices keep the Triton kernels. The tiles are pinned: quack's
+autotuner keys on the exact row count, which changes with every batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger("teacherq.consumer")
+
+# Output widths from which the down GEMM takes 192 x 128 tiles: DeepSeek-V3's experts (7168 x
+# 2048) ran 6.1 ms on them against 6.7 on quack's default 128 x 192; GLM-4.5-Air's and
+# Qwen3-30B-A3B's ran fastest on the default (H100, docs/benchmarks.md)
+WIDE_N = 6144
+# gate/up with SwiGLU: what quack's autotuner chose at DeepSeek-V3's experts (H100)
+UP_TILE = {"tile_m": 192, "tile_n": 128, "pingpong": True, "cluster_m": 1, "cluster_n": 2}
+
+
+def installed() -> bool:
+    """Whether quack-kernels imports here (the `hopper` extra)."""
+    return importlib.util.find_spec("quack") is not None
+
+
+@functools.cache
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the down projection runs through quack on `device` for experts in `dtype`:
+    bf16, an sm90 device, quack installed, and its result on a small case (an expert with no
+    rows among them) matching torch's. Checked once per device and dtype."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not installed():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        return _probe(device, dtype)
+    except Exception as exc:  # noqa: BLE001 - another library's build: fall back, never fail
+        log.debug("quack_gemm_unavailable", error=f"{type(exc).__name__}: {exc}")
+        return False
+
+
+def _tile(**fields: Any) -> Any:
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(is_dynamic_persistent=False, **fields)
+
+
+def down_config(n: int) -> Any:
+    """The down projection's tile for N output columns: quack's default, or 192 x 128 rows by
+    columns (ping-pong warp groups, a cluster of 2 along N) at DeepSeek-V3's width."""
+    from quack.gemm_interface import default_config
+
+    if n >= WIDE_N:
+        return _tile(tile_m=192, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2)
+    return default_config(torch.device("cuda"))
+
+
+def offsets(counts: torch.Tensor) -> torch.Tensor:
+    """Each expert's first row, and the total, int32 [E + 1] (quack's `cu_seqlens_m`)."""
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=out[1:])
+    return out
+
+
+def gate_up(x: torch.Tensor, tokens: torch.Tensor, fc1: torch.Tensor, starts: torch.Tensor):
+    """h [R, f] = silu(x[tokens[i]] @ gate_e^T) * (x[tokens[i]] @ up_e^T) for rows sorted by
+    expert (`starts` = `offsets(counts)`), fc1 [E, 2f, K] = [gate; up] rows. The rows are
+    gathered first (one pass) so that the GEMM reads them through TMA; SwiGLU runs on the
+    float32 products, rounded once."""
+    from quack.gemm_interface import gemm_gated
+
+    rows = x.index_select(0, tokens)
+    return gemm_gated(
+        rows, fc1.mT, activation="swiglu", cu_seqlens_m=starts, concat_layout=("B",),
+        store_preact=False, tuned=False, config=_tile(**UP_TILE),
+    )[1]  # fmt: skip
+
+
+def down(h: torch.Tensor, fc2: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """y [R, N] = h[i] @ fc2[e]^T for the R rows of h sorted by expert (`starts` =
+    `offsets(counts)`), fc2 [E, N, f] (rows contiguous); y in h's dtype, in the same order."""
+    from quack.gemm_interface import gemm_tuned
+
+    y = torch.empty(h.shape[0], fc2.shape[1], dtype=h.dtype, device=h.device)
+    if h.shape[0]:
+        # gemm_tuned's undecorated function: one pinned tile, no autotuning (quack's own
+        # `gemm(..., tuned=False)` calls it so, with its default tile)
+        gemm_tuned.fn(h, fc2.mT, y, cu_seqlens_m=starts, config=down_config(fc2.shape[1]))
+    return y
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device=device).manual_seed(0)
+    counts = torch.tensor([40, 0, 24], device=device)
+    x = torch.randn(32, 256, device=device, dtype=dtype, generator=gen)
+    tokens = torch.randint(0, 32, (64,), device=device, generator=gen)
+    fc1 = (torch.randn(3, 256, 256, device=device, generator=gen) / 16).to(dtype)
+    fc2 = (torch.randn(3, 256, 128, device=device, generator=gen) / 16).to(dtype)
+    starts = offsets(counts)
+    h = gate_up(x, tokens, fc1, starts)
+    got = down(h, fc2, starts).float()
+    want = []
+    for e, (first, last) in enumerate(((0, 40), (40, 40), (40, 64))):
+        gate, up = (x[tokens[first:last]].float() @ fc1[e].float().T).chunk(2, dim=-1)
+        want.append((torch.nn.functional.silu(gate) * up) @ fc2[e].float().T)
+    return bool(torch.allclose(got, torch.cat(want), rtol=2e-2, atol=2e-2))
