@@ -22,12 +22,12 @@ WORKDIR /opt/teacherq
 # reinstall them. torch is left out of the list and pinned by a constraint to the version the
 # base image ships, so that no dependency can pull a second (multi-GB) torch build.
 # The image runs consumers and the rq worker: the base dependencies plus the `consumer`,
-# `datasets` and `otel` extras.
+# `hopper` (quack-kernels: MoE experts on sm90; inert elsewhere), `datasets` and `otel` extras.
 COPY pyproject.toml ./
 RUN python -c "import re, tomllib; \
 p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = p['optional-dependencies']; \
-deps = p['dependencies'] + extras['consumer'] + extras['datasets'] + extras['otel']; \
+deps = p['dependencies'] + extras['consumer'] + extras['hopper'] + extras['datasets'] + extras['otel']; \
 print('\n'.join(d for d in deps if re.split(r'[\s<>=!~;\[]', d, maxsplit=1)[0] != 'torch'))" \
         > /tmp/requirements.txt \
     && python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \

@@ -63,6 +63,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import sys
 import tempfile
 import time
@@ -220,6 +221,11 @@ def parse_args() -> argparse.Namespace:
         "--flash-only-too",
         action="store_true",
         help="also time teacherq with long documents on the flash path",
+    )
+    p.add_argument(
+        "--quack-autotune",
+        action="store_true",
+        help="--gemm-only: also quack-kernels' GEMMs autotuned (about a minute of compiles)",
     )
     p.add_argument(
         "--no-quack",
@@ -408,18 +414,19 @@ def each_gemm(x, rows, picks, weights, counts, fc1, fc2, iters: int) -> dict:
 
 
 def public_grouped_gemms(
-    x, rows, picks, weights, counts, fc1, fc2, want, hf: dict, iters: int
+    x, rows, picks, weights, counts, fc1, fc2, want, hf: dict, iters: int, autotune: bool
 ) -> dict:
     """The public grouped GEMMs for Hopper on the same routed rows, each GEMM alone beside
     ours (`each_gemm`): torch's `_grouped_mm` (what transformers' experts call; its rows
     gathered beforehand, no SwiGLU) and, where the package is installed, quack-kernels'
     varlen-M GEMMs on the CuTe DSL: gate/up with SwiGLU (`gemm_gated`) gathering its rows
     (`A_idx`) or on rows gathered beforehand (`_gathered`), down into the sorted rows;
-    autotuned (quack's default call), at quack's default tile (`_untuned`) and at the tiles
-    consumer/forward/quack_gemm.py pins (`_pinned`, what TeacherMoE runs). `quack_ffn`: a
+    at quack's default tile (`_untuned`), at the tiles consumer/forward/quack_gemm.py pins
+    (`_pinned`, what TeacherMoE runs) and, with `autotune` (a minute of compiles a shape),
+    autotuned as quack's default call does (no suffix; `quack_ffn`: a
     whole FFN of quack's autotuned GEMMs, the routing weight and the scatter to [token,
     choice] order as torch passes, checked against `want` (transformers' FFN) and timed
-    against `hf` (that FFN's entry). `first_call_s`: the first call's compile and tuning."""
+    against `hf`, that FFN's entry). `first_call_s`: the first call's compile and tuning."""
     f, h = fc2.shape[2], fc2.shape[1]
     r, k = rows.shape[0], picks.numel() // x.shape[0]
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -478,25 +485,27 @@ def public_grouped_gemms(
             concat_layout=("B",), store_preact=False,
         )[1]  # fmt: skip
 
-    for tuned, tag in ((True, ""), (False, "_untuned")):
-        timed(f"quack_gate_up_alone{tag}", functools.partial(gate_up, tuned), flops["gate_up"])
-        timed(f"quack_down_alone{tag}", functools.partial(down, tuned), flops["down"])
-    timed("quack_gate_up_gathered_alone", gate_up_gathered, flops["gate_up"])
+    both = flops["gate_up"] + flops["down"]
+    autotuned = (("quack_gate_up_alone", gate_up, flops["gate_up"]),
+                 ("quack_down_alone", down, flops["down"]),
+                 ("quack_gate_up_gathered_alone", gate_up_gathered, flops["gate_up"]),
+                 ("quack_ffn", ffn, both))  # fmt: skip
+    for name, fn, work in autotuned if autotune else ():
+        timed(name, fn, work)
+    timed("quack_gate_up_alone_untuned", lambda: gate_up(False), flops["gate_up"])
+    timed("quack_down_alone_untuned", lambda: down(False), flops["down"])
     # at the tiles consumer/forward/quack_gemm.py pins (what TeacherMoE runs; gate/up with
     # its gather)
-    timed("quack_gate_up_alone_pinned", lambda: quack_gemm.gate_up(x, rows, fc1, offsets),
-          flops["gate_up"])  # fmt: skip
+    pinned = functools.partial(quack_gemm.gate_up, x, rows, fc1, offsets)
+    timed("quack_gate_up_alone_pinned", pinned, flops["gate_up"])
     timed("quack_down_alone_pinned", lambda: quack_gemm.down(hh, fc2, offsets), flops["down"])
-    if "ms" in report.get("quack_gate_up_alone", {}):
+    if "ms" in report["quack_gate_up_alone_pinned"]:
         # quack's SwiGLU takes the float32 products; ours rounds them to bf16 first
-        report["quack_gate_up_alone"]["max_abs_diff_vs_triton"] = (
-            (gate_up().float() - hh.float()).abs().max().item()
-        )
-    timed("quack_ffn", ffn, flops["gate_up"] + flops["down"])
-    if "ms" in report["quack_ffn"]:
+        diff = (pinned().float() - hh.float()).abs().max().item()
+        report["quack_gate_up_alone_pinned"]["max_abs_diff_vs_triton"] = diff
+    if "ms" in report.get("quack_ffn", {}):
         report["quack_ffn"]["max_abs_diff_vs_hf"] = (ffn().float() - want).abs().max().item()
-        if "ms" in hf:
-            report["quack_ffn"]["speedup_vs_hf"] = hf["ms"] / report["quack_ffn"]["ms"]
+        report["quack_ffn"]["speedup_vs_hf"] = hf.get("ms", math.nan) / report["quack_ffn"]["ms"]
     return report
 
 
@@ -657,8 +666,9 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         if device.type == "cuda":
             apart |= each_gemm(x, rows, picks, weights.reshape(-1), counts, fc1, fc2, iters)
             apart |= public_grouped_gemms(
-                x, rows, picks, weights.reshape(-1), counts, fc1, fc2, want, report["hf"], iters
-            )
+                x, rows, picks, weights.reshape(-1), counts, fc1, fc2, want, report["hf"], iters,
+                args.quack_autotune,
+            )  # fmt: skip
             apart |= router_paths(spec, x, iters, args.seed)
         if quantized:
             emulated = ours("unfused", fp8=True).float()

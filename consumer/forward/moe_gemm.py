@@ -3,7 +3,8 @@
 `routed_swiglu` is what TeacherMoE calls: the tokens' rows sorted by expert, each expert's
 FFN, the routing weight, and each result stored at its [token, choice] row. Where
 quack-kernels is installed (sm90, bf16 experts), TeacherMoE calls `routed_combined` first:
-quack's two GEMMs on rows gathered in one pass, and each token's rows summed in another.
+quack's GEMMs (gate/up on rows gathered in one pass, for wide rows), and each token's rows
+summed in one pass.
 
 On CUDA `routed_swiglu` runs the fused Triton grouped GEMMs (`consumer/kernels/expert_gemm.py`:
 the gather, SwiGLU, the weight and the scatter inside the two GEMMs), in bf16 or, for an FP8
@@ -170,11 +171,15 @@ def routed_combined(
         return None
     if not quack_gemm.available(x.device, x.dtype) or kernels.load(x.device) is None:
         return None
-    from consumer.kernels import moe_combine
+    from consumer.kernels import expert_gemm, moe_combine
 
     x, fc1, fc2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, fc1, fc2))
     starts = quack_gemm.offsets(counts)
-    y = quack_gemm.down(quack_gemm.gate_up(x, tokens, fc1, starts), fc2, starts)
+    if quack_gemm.takes_gate_up(hidden):
+        h = quack_gemm.gate_up(x, tokens, fc1, starts)
+    else:
+        h = expert_gemm.gate_up(x, tokens, fc1, counts)[0]
+    y = quack_gemm.down(h, fc2, starts)
     pos = torch.full((weights.numel(),), -1, dtype=torch.int64, device=x.device)
     pos[picks] = torch.arange(picks.numel(), device=x.device)
     return moe_combine.combine(y, pos, weights, top_k)

@@ -12,7 +12,8 @@ DeepSeek-V3's experts (16384 tokens, H100, docs/benchmarks.md) against our Trito
     down               6.1 ms into rows in expert order (ours, which also multiplies by the
                        routing weight and scatters to [token, choice] rows: 8.5)
 
-So `gate_up` gathers the rows in one pass first, and `down`'s rows stay in expert order:
+So `gate_up` gathers the rows in one pass first (where rows are wide enough for that to pay,
+`takes_gate_up`; narrower ones keep our gate/up kernel), and `down`'s rows stay in expert order:
 `consumer/kernels/moe_combine.py` then sums each token's rows with their weights, in the pass
 the scatter path spends on its sum over k. `moe_gemm.routed_combined` puts them together.
 
@@ -38,6 +39,12 @@ log = structlog.get_logger("teacherq.consumer")
 WIDE_N = 6144
 # gate/up with SwiGLU: what quack's autotuner chose at DeepSeek-V3's experts (H100)
 UP_TILE = {"tile_m": 192, "tile_n": 128, "pingpong": True, "cluster_m": 1, "cluster_n": 2}
+# Hidden sizes from which gate/up runs through quack too. H100, 16384 tokens, against our
+# Triton gate/up (which gathers its rows itself): GLM-4.5-Air (4096) 5.48 ms with the gather
+# pass against 5.65; Qwen3-30B-A3B (2048) 1.76 against 1.56, so ours keeps it there;
+# DeepSeek-V3 (7168) 12.7 ms on rows gathered beforehand (the pass not timed apart) against
+# 15.7 (docs/benchmarks.md)
+UP_MIN_HIDDEN = 4096
 
 
 def installed() -> bool:
@@ -65,6 +72,12 @@ def _tile(**fields: Any) -> Any:
     from quack.gemm_config import GemmConfig
 
     return GemmConfig(is_dynamic_persistent=False, **fields)
+
+
+def takes_gate_up(hidden: int) -> bool:
+    """Whether gate/up runs through quack (`gate_up`) for rows of `hidden`, else through our
+    Triton kernel, which gathers its rows itself."""
+    return hidden >= UP_MIN_HIDDEN
 
 
 def down_config(n: int) -> Any:

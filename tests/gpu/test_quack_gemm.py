@@ -2,7 +2,8 @@
 where quack-kernels is installed (the `hopper` extra); skipped elsewhere.
 
 `moe_gemm.routed_combined` must give each token's weighted sum over its k choices as close
-to a float32 loop written here as the Triton path's scatter and sum is, at awkward shapes:
+to a float32 loop written here as the Triton path's scatter and sum is, with gate/up through
+quack or through our Triton kernel (it depends on the width), at awkward shapes:
 an expert with no tokens, one token, top-1, 256 experts, widths that are not a multiple of
 the tiles, choices that went to another rank's experts.
 """
@@ -67,9 +68,17 @@ def _sorted(ids, local):
     return picks, counts
 
 
+@pytest.fixture(params=["quack", "triton"])
+def gate_up(request, monkeypatch):
+    """Every case with gate/up through quack (rows gathered first), then through our Triton
+    kernel, whatever width `quack_gemm.UP_MIN_HIDDEN` names now."""
+    monkeypatch.setattr(quack_gemm, "UP_MIN_HIDDEN", 0 if request.param == "quack" else 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("tokens,k,hidden,ffn,experts,empty", SHAPES)
 def test_combined_is_as_close_to_float32_as_the_scatter_and_sum(
-    tokens, k, hidden, ffn, experts, empty
+    tokens, k, hidden, ffn, experts, empty, gate_up
 ):
     x, fc1, fc2, ids, weights = _case(tokens, k, hidden, ffn, experts, empty, tokens + hidden)
     k = ids.shape[1]
@@ -86,7 +95,7 @@ def test_combined_is_as_close_to_float32_as_the_scatter_and_sum(
     assert err <= 1.5 * err_triton + 1e-3 * want.abs().max().item(), (err, err_triton)
 
 
-def test_choices_served_elsewhere_add_nothing():
+def test_choices_served_elsewhere_add_nothing(gate_up):
     """Expert parallelism: this rank holds experts 0-7 of 16; a token's choices of the others
     are absent from the rows, and its sum holds only its local choices."""
     x, fc1, fc2, ids, weights = _case(300, 4, 512, 256, 16, (), 7)
