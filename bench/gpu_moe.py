@@ -39,7 +39,11 @@ grouped GEMM vs transformers' Qwen3MoeExperts (its grouped_mm implementation on 
 same weights and routing. On CUDA it also times the fused path's two GEMMs apart
 (`triton_gate_up_alone`, `triton_down_alone`) and, for a float32 router (DeepSeekMoE), the
 router's logits both ways (`router_float32`: the reference's float32 GEMM; `router_split_bf16`:
-one bf16 GEMM against three bf16 parts of the weight), each against float64.
+one bf16 GEMM against three bf16 parts of the weight), each against float64. Beside those, the
+public grouped GEMMs alone (`public_grouped_gemms`: torch's `_grouped_mm`, and quack-kernels'
+where installed; `--quack-autotune`: autotuned too) and, with quack installed on sm90, the
+path TeacherMoE then takes (`quack`: `moe_gemm.routed_combined`). `--no-quack` keeps
+TeacherMoE on the Triton path there (in every mode).
 
 `--per-layer` (DeepSeek-V3, GLM-4.5-Air) runs the default comparison on four cuts of the
 shape, one after another on the same documents: 1 dense layer, 2 dense, 1 dense + 1 sparse,
