@@ -19,20 +19,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from consumer.forward import moe_gemm, quack_gemm  # noqa: E402
+from tests.gpu.test_expert_gemm import SHAPES  # noqa: E402  (the Triton kernels' awkward shapes)
 
 CUDA = torch.device("cuda")
 
 if not quack_gemm.available(CUDA, torch.bfloat16):
     pytest.skip("needs quack-kernels on an sm90 device", allow_module_level=True)
-
-# tokens, top-k, hidden, ffn, experts, experts given no tokens
-SHAPES = [
-    pytest.param(1, 2, 256, 128, 8, (), id="one-token"),
-    pytest.param(37, 4, 200, 72, 16, (3, 5), id="widths-not-multiples-of-the-tile"),
-    pytest.param(300, 8, 512, 256, 64, (0, 63), id="first-and-last-empty"),
-    pytest.param(2048, 8, 1024, 256, 256, (7,), id="256-experts"),
-    pytest.param(129, 1, 384, 384, 4, (), id="top-1"),
-]
 
 
 def _case(tokens, k, hidden, ffn, experts, empty, seed):
