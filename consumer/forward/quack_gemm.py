@@ -6,11 +6,11 @@ by expert (`cu_seqlens_m`: each expert's first row) by that expert's weights in 
 its gated variant applies SwiGLU to the gate and up products before it stores. At
 DeepSeek-V3's experts (16384 tokens, H100, docs/benchmarks.md) against our Triton kernels:
 
-    gate/up + SwiGLU   12.7 ms on rows gathered beforehand, 15.7 gathering in the kernel
-                       (ours: 15.7; Hopper's TMA cannot gather, so a gathering kernel loads
-                       its rows with plain loads)
-    down               6.1 ms into rows in expert order (ours, which also multiplies by the
-                       routing weight and scatters to [token, choice] rows: 8.5)
+    gate/up + SwiGLU   12.7 ms on rows gathered beforehand (13.9 with the gather pass),
+                       15.4-15.7 gathering in the kernel, ours 15.7-16.0 (Hopper's TMA
+                       cannot gather, so a gathering kernel loads its rows with plain loads)
+    down               6.1-6.9 ms into rows in expert order (ours, which also multiplies by
+                       the routing weight and scatters to [token, choice] rows: 8.5)
 
 So `gate_up` gathers the rows in one pass first (where rows are wide enough for that to pay,
 `takes_gate_up`; narrower ones keep our gate/up kernel), and `down`'s rows stay in expert order:
@@ -39,11 +39,11 @@ log = structlog.get_logger("teacherq.consumer")
 WIDE_N = 6144
 # gate/up with SwiGLU: what quack's autotuner chose at DeepSeek-V3's experts (H100)
 UP_TILE = {"tile_m": 192, "tile_n": 128, "pingpong": True, "cluster_m": 1, "cluster_n": 2}
-# Hidden sizes from which gate/up runs through quack too. H100, 16384 tokens, against our
-# Triton gate/up (which gathers its rows itself): GLM-4.5-Air (4096) 5.48 ms with the gather
-# pass against 5.65; Qwen3-30B-A3B (2048) 1.76 against 1.56, so ours keeps it there;
-# DeepSeek-V3 (7168) 12.7 ms on rows gathered beforehand (the pass not timed apart) against
-# 15.7 (docs/benchmarks.md)
+# Hidden sizes from which gate/up runs through quack too. H100, 16384 tokens, the gather pass
+# included, against our Triton gate/up (which gathers its rows itself): DeepSeek-V3 (7168)
+# 13.9 ms against 16.0, GLM-4.5-Air (4096) 5.48 against 5.65; at Qwen3-30B-A3B's 2048 the
+# two traded places between machines (1.76 against 1.56, then 1.55 against 1.62), and ours
+# keeps it (docs/benchmarks.md)
 UP_MIN_HIDDEN = 4096
 
 
