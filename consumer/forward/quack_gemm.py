@@ -54,9 +54,9 @@ def installed() -> bool:
 
 @functools.cache
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the down projection runs through quack on `device` for experts in `dtype`:
-    bf16, an sm90 device, quack installed, and its result on a small case (an expert with no
-    rows among them) matching torch's. Checked once per device and dtype."""
+    """Whether the experts' GEMMs run through quack on `device` for experts in `dtype`: bf16,
+    an sm90 device, quack installed, and both GEMMs' result on a small case (an expert with no
+    rows among them) matching a float32 loop. Checked once per device and dtype."""
     if device.type != "cuda" or dtype != torch.bfloat16 or not installed():
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):

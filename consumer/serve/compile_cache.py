@@ -23,7 +23,7 @@ changed, truncated or missing, or a manifest that does not parse) is corrupt: it
 aside (`<key>.corrupt-<time>`), one warning line names it, and the consumer starts on an
 empty one, which it seals after its warm-up.
 Files written after the seal (by another rank or consumer) are not in the manifest; Triton
-writes each file atomically, and the next seal lists them.
+and quack write each file atomically, and the next seal lists them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ log = structlog.get_logger("teacherq.consumer")
 
 # environment variable -> subdirectory of the compile cache
 # (QUACK_CACHE_DIR: quack-kernels' compiled GEMMs, where that optional package serves the
-# experts' down projection, consumer/forward/quack_gemm.py)
+# experts' GEMMs, consumer/forward/quack_gemm.py)
 CACHE_VARIABLES = {
     "TRITON_CACHE_DIR": "triton",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
