@@ -234,7 +234,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--no-quack",
         action="store_true",
-        help="teacherq's experts without quack-kernels' down GEMM even where it is installed",
+        help="teacherq's experts without quack-kernels' GEMMs even where it is installed",
     )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -427,10 +427,12 @@ def public_grouped_gemms(
     (`A_idx`) or on rows gathered beforehand (`_gathered`), down into the sorted rows;
     at quack's default tile (`_untuned`), at the tiles consumer/forward/quack_gemm.py pins
     (`_pinned`, what TeacherMoE runs) and, with `autotune` (a minute of compiles a shape),
-    autotuned as quack's default call does (no suffix; `quack_ffn`: a
-    whole FFN of quack's autotuned GEMMs, the routing weight and the scatter to [token,
-    choice] order as torch passes, checked against `want` (transformers' FFN) and timed
-    against `hf`, that FFN's entry). `first_call_s`: the first call's compile and tuning."""
+    autotuned as quack's default call does (no suffix).
+
+    `quack_ffn` (with `autotune`): a whole FFN of quack's autotuned GEMMs, the routing weight
+    and the scatter to [token, choice] order as torch passes, checked against `want`
+    (transformers' FFN) and timed against `hf` (that FFN's entry). `first_call_s`: each
+    entry's first call, its compile and tuning included."""
     f, h = fc2.shape[2], fc2.shape[1]
     r, k = rows.shape[0], picks.numel() // x.shape[0]
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
