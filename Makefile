@@ -20,7 +20,7 @@ DURATIONS := --durations=15 --durations-min=1
 # XDIST= (empty) runs in one process.
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-all test-stress lint setup clean browser gpu-wheels
+.PHONY: demo test test-all test-stress lint setup clean browser gpu-wheels gpu-wheels-hopper
 
 setup: $(STAMP)
 
@@ -80,6 +80,28 @@ gpu-wheels:
 	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 --platform any $(GPU_WHEELS)
+
+# The `hopper` extra for such a host, in what one call to the lent GPU machine carries (64
+# MiB): quack-kernels and the CuTe DSL's Python packages as wheels into .whl/hopper/, and the
+# DSL's 92 MB runtime wheel unpacked and compressed with xz's x86 filter (49 MiB; a few
+# minutes) into .whl/hopper/libs.tar.xz. Installing them there: docs/development.md.
+HOPPER_WHEELS := "quack-kernels==0.6.5" "nvidia-cutlass-dsl==4.8.1" \
+	"nvidia-cutlass-dsl-libs-base==4.8.1" "nvidia-cutlass-dsl-libs-core==4.8.1" \
+	apache-tvm-ffi torch-c-dlpack-ext
+
+gpu-wheels-hopper:
+	mkdir -p .whl/hopper/libs
+	$(PYTHON) -m pip download -q -d .whl/hopper --no-deps --only-binary=:all: \
+	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform any $(HOPPER_WHEELS)
+	$(PYTHON) -m pip download -q -d .whl/hopper/libs --no-deps --only-binary=:all: \
+	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
+	  --platform manylinux_2_28_x86_64 "nvidia-cutlass-dsl-libs-cu12==4.8.1"
+	cd .whl/hopper/libs && $(PYTHON) -m zipfile -e nvidia_cutlass_dsl_libs_cu12-*.whl unpacked \
+	  && tar -C unpacked -cf - nvidia_cutlass_dsl \
+	  | xz -T1 --x86 --lzma2=preset=9e,dict=192MiB > ../libs.tar.xz
+	rm -rf .whl/hopper/libs
 
 clean:
 	rm -rf $(VENV) .teacherq .pytest_cache
