@@ -98,9 +98,9 @@ gpu-wheels-hopper:
 	$(PYTHON) -m pip download -q -d .whl/hopper/libs --no-deps --only-binary=:all: \
 	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
 	  --platform manylinux_2_28_x86_64 "nvidia-cutlass-dsl-libs-cu12==4.8.1"
-	cd .whl/hopper/libs && $(PYTHON) -m zipfile -e nvidia_cutlass_dsl_libs_cu12-*.whl unpacked \
-	  && tar -C unpacked -cf - nvidia_cutlass_dsl \
-	  | xz -T1 --x86 --lzma2=preset=9e,dict=192MiB > ../libs.tar.xz
+	$(PYTHON) -m zipfile -e .whl/hopper/libs/nvidia_cutlass_dsl_libs_cu12-*.whl .whl/hopper/libs/x
+	tar -C .whl/hopper/libs/x -cf - nvidia_cutlass_dsl \
+	  | xz -T1 --x86 --lzma2=preset=9e,dict=192MiB > .whl/hopper/libs.tar.xz
 	rm -rf .whl/hopper/libs
 
 clean:
