@@ -356,7 +356,8 @@ class ConsumerSettings(_Section):
     QUACK_CACHE_DIR (set before anything compiles) and a manifest with a checksum per file,
     written after the warm-up; a corrupt subdirectory is set aside and rebuilt. Unset:
     `<redis.home>/compile-cache`, unless TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR /
-    QUACK_CACHE_DIR are set already (then used as they are, not sealed). In a container, point it at a volume the consumers share (docs/operations.md)."""
+    QUACK_CACHE_DIR are set already (then used as they are, not sealed). In a container, point
+    it at a volume the consumers share (docs/operations.md)."""
 
     compile_cache_url: str | None = None
     """An object-store location (`s3://bucket/prefix`, `file:///path`; reached with the
