@@ -33,12 +33,14 @@ import torch
 
 log = structlog.get_logger("teacherq.consumer")
 
-# Output widths from which the down GEMM takes 192 x 128 tiles: DeepSeek-V3's experts (7168 x
-# 2048) ran 6.1 ms on them against 6.7 on quack's default 128 x 192; GLM-4.5-Air's and
-# Qwen3-30B-A3B's ran fastest on the default (H100, docs/benchmarks.md)
+# 192 x 128 rows by columns, ping-pong warp groups, a cluster of 2 along N: what quack's
+# autotuner chose at DeepSeek-V3's experts for both GEMMs (H100). Gate/up takes it at every
+# width; down from WIDE_N output columns
+TILE = {"tile_m": 192, "tile_n": 128, "pingpong": True, "cluster_m": 1, "cluster_n": 2}
+# DeepSeek-V3's down GEMM (7168 x 2048) ran 6.1 ms on TILE against 6.7 on quack's default
+# 128 x 192; GLM-4.5-Air's and Qwen3-30B-A3B's ran fastest on the default (H100,
+# docs/benchmarks.md)
 WIDE_N = 6144
-# gate/up with SwiGLU: what quack's autotuner chose at DeepSeek-V3's experts (H100)
-UP_TILE = {"tile_m": 192, "tile_n": 128, "pingpong": True, "cluster_m": 1, "cluster_n": 2}
 # Hidden sizes from which gate/up runs through quack too. H100, 16384 tokens, the gather pass
 # included, against our Triton gate/up (which gathers its rows itself): DeepSeek-V3 (7168)
 # 13.9 ms against 16.0, GLM-4.5-Air (4096) 5.48 against 5.65; at Qwen3-30B-A3B's 2048 the
@@ -68,10 +70,10 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _tile(**fields: Any) -> Any:
+def _tile() -> Any:
     from quack.gemm_config import GemmConfig
 
-    return GemmConfig(is_dynamic_persistent=False, **fields)
+    return GemmConfig(is_dynamic_persistent=False, **TILE)
 
 
 def takes_gate_up(hidden: int) -> bool:
@@ -80,14 +82,12 @@ def takes_gate_up(hidden: int) -> bool:
     return hidden >= UP_MIN_HIDDEN
 
 
-def down_config(n: int) -> Any:
-    """The down projection's tile for N output columns: quack's default, or 192 x 128 rows by
-    columns (ping-pong warp groups, a cluster of 2 along N) at DeepSeek-V3's width."""
+def down_config(n: int, device: torch.device) -> Any:
+    """The down projection's tile for N output columns on `device`: TILE from DeepSeek-V3's
+    width on, quack's default below."""
     from quack.gemm_interface import default_config
 
-    if n >= WIDE_N:
-        return _tile(tile_m=192, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2)
-    return default_config(torch.device("cuda"))
+    return _tile() if n >= WIDE_N else default_config(device)
 
 
 def offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ def gate_up(x: torch.Tensor, tokens: torch.Tensor, fc1: torch.Tensor, starts: to
     rows = x.index_select(0, tokens)
     return gemm_gated(
         rows, fc1.mT, activation="swiglu", cu_seqlens_m=starts, concat_layout=("B",),
-        store_preact=False, tuned=False, config=_tile(**UP_TILE),
+        store_preact=False, tuned=False, config=_tile(),
     )[1]  # fmt: skip
 
 
@@ -120,7 +120,8 @@ def down(h: torch.Tensor, fc2: torch.Tensor, starts: torch.Tensor) -> torch.Tens
     if h.shape[0]:
         # gemm_tuned's undecorated function: one pinned tile, no autotuning (quack's own
         # `gemm(..., tuned=False)` calls it so, with its default tile)
-        gemm_tuned.fn(h, fc2.mT, y, cu_seqlens_m=starts, config=down_config(fc2.shape[1]))
+        config = down_config(fc2.shape[1], h.device)
+        gemm_tuned.fn(h, fc2.mT, y, cu_seqlens_m=starts, config=config)
     return y
 
 
