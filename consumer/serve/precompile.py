@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -218,9 +217,11 @@ def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Varian
 def _experts_variants(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> list[Variant]:
     """`_experts_variant`, and where quack-kernels is installed and the experts are not FP8,
     the combine kernel that follows quack's down GEMM (`moe_gemm.routed_combined`)."""
+    from consumer.forward import quack_gemm
+
     experts = _experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)
     params = dict(experts.params)
-    if params["fp8"] or importlib.util.find_spec("quack") is None:
+    if params["fp8"] or not quack_gemm.installed():
         return [experts]
     combine = (("hidden", spec.hidden_size), ("top_k", spec.moe_top_k), ("dtype", dtype),
                ("routing_dtype", params["routing_dtype"]))  # fmt: skip

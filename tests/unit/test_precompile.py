@@ -436,20 +436,14 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
     """Where quack-kernels is installed (it serves the experts' down GEMM on sm90), the plan
     compiles the combine kernel that follows it, as `routed_combined` launches it; without
     quack, and for FP8 experts, it does not."""
-    import importlib.util
-
+    from consumer.forward import quack_gemm
     from consumer.forward.moe import float_routing_weights
     from consumer.kernels import moe_combine
 
     monkeypatch.setattr(
         moe_combine, "_combine_kernel", Recorder(moe_combine._combine_kernel, "_combine", seen)
     )
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        precompile.importlib.util,
-        "find_spec",
-        lambda name, *a: (real("json") if quack else None) if name == "quack" else real(name, *a),
-    )
+    monkeypatch.setattr(quack_gemm, "installed", lambda: quack)
     spec = replace(  # experts of whole 128-blocks: they load in FP8 from an FP8 checkpoint
         TINY, family="qwen3_moe", hidden_size=128, num_experts=4, moe_top_k=2,
         moe_ffn_hidden_size=128,
