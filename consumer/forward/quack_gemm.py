@@ -20,12 +20,20 @@ the scatter path spends on its sum over k. `moe_gemm.routed_combined` puts them 
 Used on sm90 for bf16 experts, after a check against torch on the device (`available`);
 FP8 experts and other devices keep the Triton kernels. The tiles are pinned: quack's
 autotuner keys on the exact row count, which changes with every batch.
+
+quack compiles a GEMM for symbolic sizes: one kernel per tile, dtype and layout serves every
+shape. A consumer's precompile workers compile the few the probe and the experts reach
+(`precompile_plan`, `precompile`) into QUACK_CACHE_DIR while the weights load, so that its
+warm-up only loads them.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import os
+import tempfile
 from typing import Any
 
 import structlog
@@ -47,6 +55,8 @@ WIDE_N = 6144
 # two traded places between machines (1.76 against 1.56, then 1.55 against 1.62), and ours
 # keeps it (docs/benchmarks.md)
 UP_MIN_HIDDEN = 4096
+# The probe's down GEMM writes this many columns (`_probe`)
+PROBE_N = 256
 
 
 def installed() -> bool:
@@ -125,13 +135,93 @@ def down(h: torch.Tensor, fc2: torch.Tensor, starts: torch.Tensor) -> torch.Tens
     return y
 
 
+def precompile_plan(hidden: int) -> list[dict[str, Any]]:
+    """The compiles that `available`'s probe and experts of `hidden` columns reach, each as
+    `precompile`'s keyword arguments: gate/up (one kernel for every width), down at the
+    probe's width, and down at `hidden` where that takes another tile (`down_config`)."""
+    plan: list[dict[str, Any]] = [{"gemm": "gate_up"}, {"gemm": "down", "n": PROBE_N}]
+    if (hidden >= WIDE_N) != (PROBE_N >= WIDE_N):
+        plan.append({"gemm": "down", "n": hidden})
+    return plan
+
+
+class _Recorded:
+    """Stands in for quack's compile pool (quack/cache/async_compile.py) while a call runs on
+    meta tensors. On a key its cache lacks, quack's `jit_cache` hands the compile function and
+    its arguments to the pool's `submit` and raises `CompilePending`, before anything asks the
+    device: the calls are recorded here, then compiled in this process."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, tuple, dict]] = []
+
+    def poll(self, _sha: str) -> tuple[str, None]:
+        return "new", None
+
+    def mark_external(self, _sha: str, _o_path: str, _lock_path: str) -> None:
+        """Another process compiles this key: nothing to record."""
+
+    def submit(self, _sha: str, fn: Any, args: tuple, kwargs: dict, _o_path: Any) -> bool:
+        self.calls.append((fn, args, kwargs))
+        return True
+
+
+def precompile(gemm: str, dtype: torch.dtype, n: int = 0) -> None:
+    """Compile `gemm` ("gate_up", or "down" into `n` columns) into quack's cache
+    (QUACK_CACHE_DIR) as the probe's and the experts' calls would reach it, launching nothing
+    and creating no CUDA context: what the precompile workers run, each in a fresh process
+    (consumer/serve/precompile.py). Nothing to do where `available` would decline (not bf16,
+    no sm90 device).
+
+    The call runs on meta tensors, with quack's compile pool stood in for by `_Recorded` and
+    its cache pointed at an empty folder, so that it stops at the compile whether or not the
+    kernel is cached already. Each recorded compile then runs through quack's cached compile
+    function (found by module and name, as quack's own pool workers find it) against the
+    real cache: it compiles and writes the kernel's `.o`, or loads the one there."""
+    if dtype != torch.bfloat16 or not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    # quack reads the architecture from QUACK_ARCH where it cannot ask a meta tensor's device,
+    # and the CuTe DSL compiles for CUTE_DSL_ARCH: both the device's, set before the import
+    os.environ.setdefault("QUACK_ARCH", "90")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import quack.cache
+    from quack.cache import async_compile
+
+    def meta(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    starts = meta(4, dtype=torch.int32)
+    recorded, pool, cache_dir = _Recorded(), async_compile._active_pool, quack.cache.CACHE_DIR
+    with tempfile.TemporaryDirectory(prefix="tq-quack-") as empty:
+        async_compile._active_pool, quack.cache.CACHE_DIR = recorded, empty
+        try:
+            if gemm == "gate_up":
+                gate_up(meta(32, 256), meta(64, dtype=torch.int64), meta(3, 256, 256), starts)
+            elif gemm == "down":
+                down(meta(64, 256), meta(3, n, 256), starts)
+            else:
+                raise ValueError(f"gemm must be 'gate_up' or 'down', got {gemm!r}")
+        except async_compile.CompilePending:
+            pass
+        finally:
+            async_compile._active_pool, quack.cache.CACHE_DIR = pool, cache_dir
+    if not recorded.calls:
+        raise RuntimeError(f"quack's {gemm} GEMM reached no compile on meta tensors")
+    for fn, args, kwargs in recorded.calls:
+        cached = importlib.import_module(fn.__module__)
+        for part in fn.__qualname__.split("."):
+            cached = getattr(cached, part)
+        cached(*args, **kwargs)  # quack's jit_cache: compiles and writes the .o, or loads it
+
+
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
     counts = torch.tensor([40, 0, 24], device=device)
     x = torch.randn(32, 256, device=device, dtype=dtype, generator=gen)
     tokens = torch.randint(0, 32, (64,), device=device, generator=gen)
     fc1 = (torch.randn(3, 256, 256, device=device, generator=gen) / 16).to(dtype)
-    fc2 = (torch.randn(3, 256, 128, device=device, generator=gen) / 16).to(dtype)
+    fc2 = (torch.randn(3, PROBE_N, 128, device=device, generator=gen) / 16).to(dtype)
     starts = offsets(counts)
     h = gate_up(x, tokens, fc1, starts)
     got = down(h, fc2, starts).float()

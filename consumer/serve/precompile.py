@@ -1,4 +1,4 @@
-"""Compile the warm-up's Triton kernels in parallel, off the start's critical path.
+"""Compile the warm-up's kernels in parallel, off the start's critical path.
 
 On a machine whose compile cache is empty, the warm-up (consumer/serve/warmup.py) would compile
 every kernel variant it reaches one after another (~20-40 of them, seconds each). `main()`
@@ -11,6 +11,10 @@ warm-up, `run` waits for them (the `compile` phase of `consumer.ready`), and the
 finds every variant in the cache. Each kernel's host-side launcher is built there too (a C
 module per kind of argument list on Triton up to 3.6, which a first launch would otherwise
 compile in the warm-up), once per kind among the workers (`launch.share_launchers`).
+
+Where quack-kernels serves a MoE teacher's bf16 experts (consumer/forward/quack_gemm.py), the
+workers compile its GEMMs too, into QUACK_CACHE_DIR (`quack_gemm.precompile`: a call on meta
+tensors, stopped where quack would compile, so no CUDA context either).
 
 The variants come from the warm-up's own plan (`warmup.plan`: the head-pass groups of every
 warm-up batch) and the model's shape (vocabulary shard, MLP width, heads), through each
@@ -89,7 +93,7 @@ class Job:
 class Variant:
     """One compile: a kernel module's `precompile` with these keyword arguments."""
 
-    kernel: str  # a module of consumer/kernels: "rowstats", "swiglu", "rope", "fp8_quant", ...
+    kernel: str  # a module of consumer/kernels ("rowstats", "swiglu", ...) or of `MODULES`
     params: tuple[tuple[str, Any], ...]
 
     def name(self) -> str:
@@ -216,7 +220,11 @@ def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Varian
 
 def _experts_variants(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> list[Variant]:
     """`_experts_variant`, and where quack-kernels is installed and the experts are not FP8,
-    the combine kernel that follows quack's down GEMM (`moe_gemm.routed_combined`)."""
+    the combine kernel that follows quack's down GEMM (`moe_gemm.routed_combined`) and, for
+    bf16 experts, quack's GEMMs themselves (`quack_gemm.precompile_plan`: each compiles
+    where the device is an sm90 one)."""
+    import torch
+
     from consumer.forward import quack_gemm
 
     experts = _experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)
@@ -225,15 +233,24 @@ def _experts_variants(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> list[
         return [experts]
     combine = (("hidden", spec.hidden_size), ("top_k", spec.moe_top_k), ("dtype", dtype),
                ("routing_dtype", params["routing_dtype"]))  # fmt: skip
-    return [experts, Variant("moe_combine", combine)]
+    out = [experts, Variant("moe_combine", combine)]
+    if dtype == torch.bfloat16:
+        for gemm in quack_gemm.precompile_plan(spec.hidden_size):
+            out.append(Variant("quack_gemm", (*gemm.items(), ("dtype", dtype))))
+    return out
+
+
+# Variants whose module is not in consumer/kernels
+MODULES = {"quack_gemm": "consumer.forward.quack_gemm"}
 
 
 def compile_variant(variant: Variant) -> None:
-    """Compile one variant into Triton's cache (nothing is launched)."""
+    """Compile one variant into Triton's cache, or quack's for `quack_gemm` (nothing is
+    launched)."""
     import importlib
 
-    module = importlib.import_module(f"consumer.kernels.{variant.kernel}")
-    module.precompile(**dict(variant.params))
+    module = MODULES.get(variant.kernel, f"consumer.kernels.{variant.kernel}")
+    importlib.import_module(module).precompile(**dict(variant.params))
 
 
 def cuda_present(environ: dict[str, str] | os._Environ[str]) -> bool:

@@ -5,10 +5,16 @@ where quack-kernels is installed (the `hopper` extra); skipped elsewhere.
 to a float32 loop written here as the Triton path's scatter and sum is, with gate/up through
 quack or through our Triton kernel (it depends on the width), at awkward shapes:
 an expert with no tokens, one token, top-1, 256 experts, widths that are not a multiple of
-the tiles, choices that went to another rank's experts.
+the tiles, choices that went to another rank's experts. And what the precompile workers
+compile for quack must be what the probe and the experts then load.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +110,59 @@ def test_not_taken_for_widths_tma_cannot_step():
     x, fc1, fc2, ids, weights = _case(10, 2, 100, 64, 4, (), 3)
     picks, counts = _sorted(ids, torch.arange(4, device=CUDA))
     assert moe_gemm.routed_combined(x, picks // 2, picks, weights, counts, fc1, fc2, 2) is None
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PRECOMPILE = """
+import sys, torch
+from consumer.forward import quack_gemm
+for params in quack_gemm.precompile_plan(int(sys.argv[1])):
+    quack_gemm.precompile(**params, dtype=torch.bfloat16)
+from cuda.bindings import driver  # (the CuTe DSL's dependency)
+driver.cuInit(0)
+_, device = driver.cuDeviceGet(0)
+_, _, active = driver.cuDevicePrimaryCtxGetState(device)
+print("context", int(active))
+"""
+
+SERVE = """
+import sys, torch
+from quack.gemm import _compile_gemm
+from quack.gemm_runtime.host import _compile_gemm_epi
+from consumer.forward import quack_gemm
+cuda, hidden = torch.device("cuda"), int(sys.argv[1])
+assert quack_gemm.available(cuda, torch.bfloat16)  # the probe's two GEMMs
+x = torch.randn(24, hidden, device=cuda).bfloat16()
+fc1 = (torch.randn(4, 2 * 128, hidden, device=cuda) / 64).bfloat16()
+fc2 = (torch.randn(4, hidden, 128, device=cuda) / 16).bfloat16()
+starts = quack_gemm.offsets(torch.tensor([10, 0, 30, 8], device=cuda))
+tokens = torch.randint(0, 24, (48,), device=cuda)
+y = quack_gemm.down(quack_gemm.gate_up(x, tokens, fc1, starts), fc2, starts)
+assert torch.isfinite(y.float()).all()
+torch.cuda.synchronize()
+print("compiled", _compile_gemm.cache_info().misses + _compile_gemm_epi.cache_info().misses)
+"""
+
+
+def test_precompiled_gemms_are_the_ones_the_probe_and_experts_load(tmp_path):
+    """A precompile worker's compiles for DeepSeek-V3's width (meta tensors, stopped where
+    quack would compile; `quack_gemm.precompile`) are what `available`'s probe and the
+    experts' GEMMs then load, in another process: they compile nothing more and add no
+    kernel file. The worker leaves the device without a CUDA context."""
+    env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path)}
+    for name in ("QUACK_ARCH", "CUTE_DSL_ARCH"):
+        env.pop(name, None)
+
+    def run(script: str) -> str:
+        done = subprocess.run([sys.executable, "-c", script, "7168"], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    context = run(PRECOMPILE)
+    made = sorted(tmp_path.rglob("*.o"))
+    assert len(made) == len(quack_gemm.precompile_plan(7168)) == 3
+    assert run(SERVE) == "0"
+    assert sorted(tmp_path.rglob("*.o")) == made
+    assert context == "0", "the precompile worker created a CUDA context"

@@ -456,7 +456,28 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
         variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=torch.bfloat16, fp8=fp8)
         kernels = {v.kernel for v in variants}
         assert ("moe_combine" in kernels) == (quack and not fp8), (fp8, kernels)
+        # and quack's own GEMMs: gate/up, and down at the probe's tile (hidden 128 takes it)
+        gemms = [dict(v.params) for v in variants if v.kernel == "quack_gemm"]
+        bf16 = torch.bfloat16
+        want = [{"gemm": "gate_up", "dtype": bf16}, {"gemm": "down", "n": 256, "dtype": bf16}]
+        assert gemms == (want if quack and not fp8 else []), (fp8, gemms)
         for variant in variants:
             if variant.kernel == "moe_combine":
                 precompile.compile_variant(variant)
     assert seen["launched"] and (seen["launched"] <= seen["compiled"]) == quack
+
+
+def test_quack_gemms_planned_per_tile_and_skipped_off_sm90() -> None:
+    """quack compiles a GEMM for symbolic sizes, so the plan holds one compile per tile: down
+    at a width of DeepSeek-V3's (7168) takes another tile than the probe's; at GLM-4.5-Air's
+    (4096) it does not. Without an sm90 device (here: none) a worker compiles nothing (quack
+    is not even imported: it is not installed on this machine)."""
+    from consumer.forward import quack_gemm
+
+    wide = quack_gemm.precompile_plan(7168)
+    assert wide == [{"gemm": "gate_up"}, {"gemm": "down", "n": 256}, {"gemm": "down", "n": 7168}]
+    assert quack_gemm.precompile_plan(4096) == wide[:2]
+    variant = precompile.Variant("quack_gemm", (("gemm", "down"), ("n", 7168),
+                                                ("dtype", torch.bfloat16)))  # fmt: skip
+    assert precompile.compile_variant(variant) is None
+    assert "quack" not in sys.modules
