@@ -302,11 +302,13 @@ class StartClock:
 
 
 def compiled_kernels(cache: CompileCache | None) -> int:
-    """Kernels in Triton's cache now (one metadata group file per compiled kernel); 0 where
-    the cache is not ours to count."""
+    """Kernels in Triton's cache now (one metadata group file per compiled kernel) and in
+    quack-kernels' (one object file each); 0 where the cache is not ours to count."""
     if cache is None or cache.path is None:
         return 0
-    return sum(1 for _ in Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json"))
+    triton = Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json")
+    quack = Path(cache.variables["QUACK_CACHE_DIR"]).glob("*/*.o")
+    return sum(1 for _ in triton) + sum(1 for _ in quack)
 
 
 def seal(

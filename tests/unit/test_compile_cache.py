@@ -160,3 +160,22 @@ def test_a_seal_records_the_plan_and_the_next_start_finds_it(tmp_path: Path) -> 
     (Path(env["TRITON_CACHE_DIR"]) / "HASH" / "k.cubin").write_bytes(b"changed")
     rebuilt = apply(tmp_path, tmp_path, {}, key=KEY)
     assert rebuilt.state == "rebuilt" and not rebuilt.holds("plan-a")
+
+
+def test_compiled_kernels_counts_tritons_and_quacks(tmp_path: Path) -> None:
+    """`compiled_in_warmup` (consumer.ready) counts what the warm-up compiled: Triton's
+    kernels by their metadata group file (not each file of one), quack-kernels' GEMMs by
+    their object file (not their lock files); none where the cache is not ours."""
+    from consumer.serve.service import compiled_kernels
+
+    env: dict[str, str] = {}
+    cache = apply(tmp_path, tmp_path, env, key=KEY)
+    assert compiled_kernels(cache) == 0
+    _compile(env, "__grp__k.json")
+    _compile(env, "k.cubin")
+    quack = Path(env["QUACK_CACHE_DIR"]) / "FINGERPRINT"
+    quack.mkdir(parents=True)
+    (quack / "sha.o").write_bytes(b"elf")
+    (quack / "sha.lock").write_bytes(b"")
+    assert compiled_kernels(cache) == 2
+    assert compiled_kernels(apply(None, tmp_path, dict(env), key=KEY)) == 0
