@@ -285,10 +285,11 @@ class TeacherMoE(torch.nn.Module):
         out = self._routed(x, weights, ids)
         if self.shared:
             up = F.linear(x, self.shared_fc1.flatten(0, 1))
-            shared = F.linear(swiglu(up), self.shared_fc2)
             if self.shared_gated:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
-            out = out + shared
+                shared = F.linear(swiglu(up), self.shared_fc2)
+                out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            else:  # added to the routed sum by the GEMM itself, not in a pass of its own
+                out.addmm_(swiglu(up), self.shared_fc2.T)
         if self.layout.group is not None:
             dist.all_reduce(out, group=self.layout.group)
         return out.reshape(shape), None
