@@ -53,7 +53,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
-from bench.gpu_common import FRONTIER, frontier, transformers_config  # noqa: E402 - no torch at import
+from bench.gpu_common import (  # noqa: E402 - no torch at import
+    FRONTIER,
+    child_pythonpath,
+    frontier,
+    transformers_config,
+)
 
 # Qwen2.5-1.5B's and 7B's shapes (public config.json), and a tiny one for a smoke test.
 MODELS = {
@@ -248,7 +253,8 @@ class Consumer:
         from shared.settings import to_env
 
         self.log_path = log_path
-        env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO), **(extra_env or {})}
+        env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath(),
+               **(extra_env or {})}  # fmt: skip
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "consumer"],

@@ -1,14 +1,19 @@
 """What the GPU benches share (bench/gpu_e2e.py and bench/gpu_moe.py both import it, and
 neither imports the other; bench/cold_start.py takes `versions`): the H200's peak, the outputs
 a "full" pass asks for, the mixture-of-experts shapes and their active FLOPs, Hugging Face's
-padded batches, and the software versions a figure is recorded with.
+padded batches, the software versions a figure is recorded with, and the PYTHONPATH of the
+consumers they start.
 
 No torch at import time: bench/gpu_e2e.py's parent process does not need it.
 """
 
 from __future__ import annotations
 
+import os
 import platform
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 PEAK_FLOPS = 790e12  # bf16 dense FLOP/s measured on an H200
 TOP_K, SAMPLES = 64, 8  # a "full" pass: top-64, 8 samples (and the entropy)
@@ -202,3 +207,10 @@ def versions() -> dict:
         out["device"] = torch.cuda.get_device_name()
         out["cuda"] = torch.version.cuda
     return out
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a process a bench starts (a consumer): this checkout first, then the
+    caller's own path, which may hold the dependencies (a `pip install --target` folder on a
+    GPU host without network)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)

@@ -89,6 +89,7 @@ from bench.gpu_common import (  # noqa: E402 - the repository is on the path fro
     SAMPLES,
     TOP_K,
     active_flops,
+    child_pythonpath,
     frontier,
     padded_batches,
     padded_tensors,
@@ -1018,8 +1019,7 @@ def run_e2e(
         )
         out_json = tmp / f"consumer-{model}.json"
         log_path = tmp / f"consumer-{model}.log"
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, **to_env(settings), "PYTHONPATH": path}
+        env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath()}
         cmd = _child_args(args, "consumer", model) + ["--out", str(out_json)]
         cmd += [] if overrides is None else ["--no-direct"]
         cmd += ["--fp8"] if fp8 else []
