@@ -369,8 +369,9 @@ class ConsumerSettings(_Section):
 
     precompile: bool = True
     """On CUDA, compile the warm-up's Triton kernels (and quack-kernels' GEMMs, where they
-    serve) in parallel worker processes started before torch is imported, so that the warm-up finds them in the compile cache (the
-    `compile` phase of `consumer.ready`); off: the warm-up compiles them one after another."""
+    serve) in parallel worker processes started before torch is imported, so that the warm-up
+    finds them in the compile cache (the `compile` phase of `consumer.ready`); off: the
+    warm-up compiles them one after another."""
 
     precompile_workers: int = Field(default=0, ge=0)
     """Worker processes of `precompile` per rank; 0: the host's cores left by its ranks,

@@ -209,7 +209,7 @@ def precompile(gemm: str, dtype: torch.dtype, n: int = 0) -> None:
     if not recorded.calls:
         raise RuntimeError(f"quack's {gemm} GEMM reached no compile on meta tensors")
     for fn, args, kwargs in recorded.calls:
-        cached = importlib.import_module(fn.__module__)
+        cached: Any = importlib.import_module(fn.__module__)
         for part in fn.__qualname__.split("."):
             cached = getattr(cached, part)
         cached(*args, **kwargs)  # quack's jit_cache: compiles and writes the .o, or loads it
