@@ -401,9 +401,17 @@ class Precompile:
             "failed": len(failed),
             "seconds": round(time.monotonic() - self.started, 3),
             **({"skipped": self.skipped} if self.skipped else {}),
-            # each worker's own seconds (import and plan, compiling): where the slowest went
+            # each worker's own seconds (import and plan, compiling), and the slowest variant
+            # of them all with its seconds: where a long compile wait went
             **(
-                {"worker_s": [[w.get("import_s"), w.get("compile_s")] for w in summaries]}
+                {
+                    "worker_s": [[w.get("import_s"), w.get("compile_s")] for w in summaries],
+                    "slowest": max(
+                        (w["slowest"] for w in summaries if w.get("slowest")),
+                        key=lambda named: named[1],
+                        default=None,
+                    ),
+                }
                 if summaries
                 else {}
             ),

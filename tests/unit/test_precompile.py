@@ -206,9 +206,11 @@ def _workers(*codes: str) -> precompile.Precompile:
 
 
 def _summary(import_s: float, compile_s: float) -> str:
-    """A Python statement writing a worker's summary line, as `_worker` ends (`sys` imported)."""
+    """A Python statement writing a worker's summary line, as `_worker` ends (`sys` imported):
+    its slowest variant took half its compile."""
+    slowest = [f"kernel-{compile_s}", compile_s / 2]
     line = precompile.SUMMARY + json.dumps(
-        {"import_s": import_s, "compile_s": compile_s, "variants": 3, "slowest": ["x", 1.0]}
+        {"import_s": import_s, "compile_s": compile_s, "variants": 3, "slowest": slowest}
     )
     return f"sys.stderr.write({line!r} + '\\n')"
 
@@ -229,6 +231,7 @@ def test_a_failed_worker_costs_one_warning_line() -> None:
         got = workers.wait(timeout_s=60)
     assert got["workers"] == 2 and got["failed"] == 1
     assert got["worker_s"] == [[4.5, 2.25], [4.0, 3.5]]
+    assert got["slowest"] == ["kernel-3.5", 1.75]  # the slowest variant among the workers'
     [warning] = [e for e in logs if e["log_level"] == "warning"]
     assert warning["event"] == "precompile.failed"
     assert warning["failed"] == ["worker 1: exit 1: rowstats n=4: CompilationError: boom"]
