@@ -86,6 +86,15 @@ def _tile() -> Any:
     return GemmConfig(is_dynamic_persistent=False, **TILE)
 
 
+def may_serve() -> bool:
+    """Whether `available` may accept this host's CUDA device: quack installed and the device
+    sm90. Asked without a CUDA context (the precompile workers' question: what to compile);
+    `available` also checks a small case on the device."""
+    if not installed() or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
 def takes_gate_up(hidden: int) -> bool:
     """Whether gate/up runs through quack (`gate_up`) for rows of `hidden`, else through our
     Triton kernel, which gathers its rows itself."""
@@ -177,9 +186,7 @@ def precompile(gemm: str, dtype: torch.dtype, n: int = 0) -> None:
     kernel is cached already. Each recorded compile then runs through quack's cached compile
     function (found by module and name, as quack's own pool workers find it) against the
     real cache: it compiles and writes the kernel's `.o`, or loads the one there."""
-    if dtype != torch.bfloat16 or not torch.cuda.is_available():
-        return
-    if torch.cuda.get_device_capability() != (9, 0):
+    if dtype != torch.bfloat16 or not may_serve():
         return
     # quack reads the architecture from QUACK_ARCH where it cannot ask a meta tensor's device,
     # and the CuTe DSL compiles for CUTE_DSL_ARCH: both the device's, set before the import

@@ -492,10 +492,14 @@ def precompile(
     dtype: torch.dtype,
     fp8: bool,
     routing_dtype: torch.dtype,
+    gemms: str = "both",
 ) -> None:
-    """Compile, without launching, both GEMMs' variants for `experts` local experts of FFN
+    """Compile, without launching, both GEMMs' variants (`gemms` "both"), or gate/up's alone
+    ("gate_up": where quack-kernels' down GEMM serves), for `experts` local experts of FFN
     `ffn` at `hidden`, activations in `dtype`, weights in FP8 (`fp8`) or `dtype`, routing
     weights in `routing_dtype` (consumer/serve/precompile.py)."""
+    if gemms not in ("both", "gate_up"):
+        raise ValueError(f"gemms must be 'both' or 'gate_up', got {gemms!r}")
     if fp8:
         up_tiles, down_tiles = (FP8_TILES, FP8_TAIL_TILES), (FP8_DOWN_TILES, FP8_DOWN_TAIL_TILES)
     else:
@@ -521,7 +525,7 @@ def precompile(
     for tiles in filter(None, up_tiles):
         _launch(x, x_s, rows, w1, w1_s, h, h_s, None, None, Launch(tiles, table, 1 + experts),
                 n_out=ffn, k=hidden, swiglu=True, **common)  # fmt: skip
-    for tiles in filter(None, down_tiles):
+    for tiles in filter(None, down_tiles if gemms == "both" else ()):
         _launch(h, h_s, None, w2, w2_s, out, None, rows, weights,
                 Launch(tiles, table, 1 + experts), n_out=hidden, k=ffn, swiglu=False,
                 **common)  # fmt: skip

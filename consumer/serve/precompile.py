@@ -113,12 +113,21 @@ def head_calls(batches: list) -> list[tuple[int, int, bool]]:
 
 
 def plan(
-    spec, *, tp: int, tp_rank: int, batches: list, dtype: Any, fp8: bool, ep: int = 1
+    spec,
+    *,
+    tp: int,
+    tp_rank: int,
+    batches: list,
+    dtype: Any,
+    fp8: bool,
+    ep: int = 1,
+    quack: bool = False,
 ) -> list[Variant]:
     """The kernel variants a warm-up of `batches` reaches on TP rank `tp_rank` of `tp` for a
     model `spec` (consumer/forward/spec.py) with `dtype` parameters; `fp8`: its linears run
-    block-scaled FP8; `ep`: a MoE model's experts split that many ways. Variants that
-    compile to the same kernel appear once."""
+    block-scaled FP8; `ep`: a MoE model's experts split that many ways; `quack`: quack-kernels
+    may serve its bf16 experts here (`quack_gemm.may_serve`). Variants that compile to the
+    same kernel appear once."""
     from consumer.head_common import VocabShard
     from consumer.kernels.rowstats import samples_per_program
 
@@ -149,7 +158,8 @@ def plan(
             params = (("heads", heads), ("dim", spec.kv_channels), ("dtype", dtype))
             variants[Variant("rope", params)] = None
     if spec.is_moe:
-        variants |= dict.fromkeys(_experts_variants(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8))
+        experts = _experts_variants(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8, quack=quack)
+        variants |= dict.fromkeys(experts)
     if spec.is_mla:
         params = (("heads", spec.num_attention_heads // tp), ("nope", spec.qk_nope_head_dim),
                   ("rope", spec.qk_rope_head_dim), ("v", spec.v_head_dim),
@@ -185,6 +195,7 @@ def warmup_plan(
     max_sample_n: int,
     token_budget: int,
     full: bool,
+    quack: bool = False,
 ) -> list[Variant]:
     """`plan` of the batches a warm-up with these settings runs (`warmup.plan`) for `spec`."""
     from consumer.serve import warmup
@@ -198,7 +209,9 @@ def warmup_plan(
         full=full,
         graphs=False,  # graph batches run the plain group, which every plan holds
     )
-    return plan(spec, tp=tp, tp_rank=tp_rank, batches=batches, dtype=dtype, fp8=fp8, ep=ep)
+    return plan(
+        spec, tp=tp, tp_rank=tp_rank, batches=batches, dtype=dtype, fp8=fp8, ep=ep, quack=quack
+    )
 
 
 def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Variant:
@@ -218,25 +231,30 @@ def _experts_variant(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> Varian
     return Variant("expert_gemm", params)
 
 
-def _experts_variants(spec, *, tp: int, ep: int, dtype: Any, fp8: bool) -> list[Variant]:
-    """`_experts_variant`, and where quack-kernels is installed and the experts are not FP8,
-    the combine kernel that follows quack's down GEMM (`moe_gemm.routed_combined`) and, for
-    bf16 experts, quack's GEMMs themselves (`quack_gemm.precompile_plan`: each compiles
-    where the device is an sm90 one)."""
+def _experts_variants(
+    spec, *, tp: int, ep: int, dtype: Any, fp8: bool, quack: bool
+) -> list[Variant]:
+    """The expert GEMMs' compiles: `_experts_variant`, or where quack-kernels serves the
+    experts (`quack`, bf16 experts, rows of whole 16-byte units: `moe_gemm.routed_combined`'s
+    conditions) quack's GEMMs (`quack_gemm.precompile_plan`), the combine kernel that follows
+    them, and our gate/up alone where it serves in quack's place (`quack_gemm.takes_gate_up`):
+    the warm-up launches nothing else of them."""
     import torch
 
     from consumer.forward import quack_gemm
 
     experts = _experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)
     params = dict(experts.params)
-    if params["fp8"] or not quack_gemm.installed():
+    hidden, ffn = spec.hidden_size, params["ffn"]
+    if not quack or params["fp8"] or dtype != torch.bfloat16 or hidden % 8 or ffn % 8:
         return [experts]
-    combine = (("hidden", spec.hidden_size), ("top_k", spec.moe_top_k), ("dtype", dtype),
+    combine = (("hidden", hidden), ("top_k", spec.moe_top_k), ("dtype", dtype),
                ("routing_dtype", params["routing_dtype"]))  # fmt: skip
-    out = [experts, Variant("moe_combine", combine)]
-    if dtype == torch.bfloat16:
-        for gemm in quack_gemm.precompile_plan(spec.hidden_size):
-            out.append(Variant("quack_gemm", (*gemm.items(), ("dtype", dtype))))
+    out = [Variant("moe_combine", combine)]
+    out += [Variant("quack_gemm", (*gemm.items(), ("dtype", dtype)))
+            for gemm in quack_gemm.precompile_plan(hidden)]  # fmt: skip
+    if not quack_gemm.takes_gate_up(hidden):
+        out.insert(0, Variant("expert_gemm", (*experts.params, ("gemms", "gate_up"))))
     return out
 
 
@@ -439,6 +457,7 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     began = time.monotonic()
     import torch
 
+    from consumer.forward import quack_gemm
     from consumer.kernels import launch
 
     if claims is not None:
@@ -461,6 +480,7 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         max_sample_n=job.max_sample_n,
         token_budget=job.token_budget,
         full=job.full,
+        quack=quack_gemm.may_serve(),
     )
     failures = 0
     mine = variants[index :: job.workers]

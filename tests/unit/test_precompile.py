@@ -432,21 +432,20 @@ def test_the_plan_compiles_latent_attention_where_the_kernel_takes_the_sizes() -
     assert found["small"] == []
 
 
-@pytest.mark.parametrize("quack", [True, False], ids=["quack-installed", "no-quack"])
+@pytest.mark.parametrize("quack", [True, False], ids=["quack-serves", "no-quack"])
 def test_moe_plan_covers_the_combine_launch_where_quack_serves(
     seen: dict[str, set], monkeypatch: pytest.MonkeyPatch, quack: bool
 ) -> None:
-    """Where quack-kernels is installed (it serves the experts' down GEMM on sm90), the plan
-    compiles the combine kernel that follows it, as `routed_combined` launches it; without
-    quack, and for FP8 experts, it does not."""
-    from consumer.forward import quack_gemm
+    """Where quack-kernels serves the experts (installed, an sm90 device), the plan compiles
+    quack's GEMMs and the combine kernel that follows its down GEMM, as `routed_combined`
+    launches it, and of our expert GEMMs gate/up alone (at this width it serves in quack's
+    place); without quack, and for FP8 experts, our two GEMMs and nothing of quack's."""
     from consumer.forward.moe import float_routing_weights
-    from consumer.kernels import moe_combine
+    from consumer.kernels import expert_gemm, moe_combine
 
     monkeypatch.setattr(
         moe_combine, "_combine_kernel", Recorder(moe_combine._combine_kernel, "_combine", seen)
     )
-    monkeypatch.setattr(quack_gemm, "installed", lambda: quack)
     spec = replace(  # experts of whole 128-blocks: they load in FP8 from an FP8 checkpoint
         TINY, family="qwen3_moe", hidden_size=128, num_experts=4, moe_top_k=2,
         moe_ffn_hidden_size=128,
@@ -455,19 +454,49 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
     y = torch.zeros(6 * spec.moe_top_k, spec.hidden_size, dtype=torch.bfloat16)
     pos = torch.arange(6 * spec.moe_top_k)
     moe_combine.combine(y, pos, torch.ones(pos.numel(), dtype=routing), spec.moe_top_k)
+    bf16 = torch.bfloat16
     for fp8 in (False, True):
-        variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=torch.bfloat16, fp8=fp8)
+        variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=bf16, fp8=fp8,
+                                   quack=quack)  # fmt: skip
         kernels = {v.kernel for v in variants}
-        assert ("moe_combine" in kernels) == (quack and not fp8), (fp8, kernels)
-        # and quack's own GEMMs: gate/up, and down at the probe's tile (hidden 128 takes it)
+        served = quack and not fp8
+        assert ("moe_combine" in kernels) == served, (fp8, kernels)
+        # quack's own GEMMs: gate/up, and down at the probe's tile (hidden 128 takes it)
         gemms = [dict(v.params) for v in variants if v.kernel == "quack_gemm"]
-        bf16 = torch.bfloat16
         want = [{"gemm": "gate_up", "dtype": bf16}, {"gemm": "down", "n": 256, "dtype": bf16}]
-        assert gemms == (want if quack and not fp8 else []), (fp8, gemms)
+        assert gemms == (want if served else []), (fp8, gemms)
+        [ours] = [dict(v.params) for v in variants if v.kernel == "expert_gemm"]
+        assert ours.get("gemms", "both") == ("gate_up" if served else "both")
         for variant in variants:
             if variant.kernel == "moe_combine":
                 precompile.compile_variant(variant)
     assert seen["launched"] and (seen["launched"] <= seen["compiled"]) == quack
+
+    compiled: list[bool] = []
+    monkeypatch.setattr(expert_gemm, "_launch", lambda *a, **kw: compiled.append(kw["swiglu"]))
+    experts = {"experts": 4, "hidden": 128, "ffn": 128, "dtype": bf16, "fp8": False,
+               "routing_dtype": routing}  # fmt: skip
+    expert_gemm.precompile(**experts, gemms="gate_up")
+    assert compiled and all(compiled)  # gate/up's variants only (SwiGLU)
+    compiled.clear()
+    expert_gemm.precompile(**experts)
+    assert True in compiled and False in compiled
+
+
+def test_quack_at_deepseek_width_leaves_our_expert_gemms_out() -> None:
+    """At DeepSeek-V3's width quack serves gate/up too: the plan holds none of our expert
+    GEMMs, three of quack's (down at two tiles); FP8 experts keep ours and nothing of quack's."""
+    spec = replace(
+        TINY, family="qwen3_moe", hidden_size=7168, num_experts=8, moe_top_k=2,
+        moe_ffn_hidden_size=256,
+    )  # fmt: skip
+    bf16 = torch.bfloat16
+    variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=bf16, fp8=False,
+                               quack=True)  # fmt: skip
+    experts = [v.kernel for v in variants if v.kernel in ("expert_gemm", "quack_gemm")]
+    assert experts == ["quack_gemm"] * 3
+    fp8 = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=bf16, fp8=True, quack=True)
+    assert [v.kernel for v in fp8 if v.kernel in ("expert_gemm", "quack_gemm")] == ["expert_gemm"]
 
 
 def test_quack_gemms_planned_per_tile_and_skipped_off_sm90() -> None:
