@@ -307,8 +307,8 @@ def compiled_kernels(cache: CompileCache | None) -> int:
     if cache is None or cache.path is None:
         return 0
     triton = Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json")
-    quack = Path(cache.variables["QUACK_CACHE_DIR"]).glob("*/*.o")
-    return sum(1 for _ in triton) + sum(1 for _ in quack)
+    quack = cache.variables.get("QUACK_CACHE_DIR")
+    return sum(1 for _ in triton) + (sum(1 for _ in Path(quack).glob("*/*.o")) if quack else 0)
 
 
 def seal(
