@@ -446,6 +446,8 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
     monkeypatch.setattr(
         moe_combine, "_combine_kernel", Recorder(moe_combine._combine_kernel, "_combine", seen)
     )
+    up = Recorder(expert_gemm._expert_gemm_kernel, "_expert_gemm_kernel", seen)
+    monkeypatch.setattr(expert_gemm, "_expert_gemm_kernel", up)
     spec = replace(  # experts of whole 128-blocks: they load in FP8 from an FP8 checkpoint
         TINY, family="qwen3_moe", hidden_size=128, num_experts=4, moe_top_k=2,
         moe_ffn_hidden_size=128,
@@ -455,6 +457,12 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
     pos = torch.arange(6 * spec.moe_top_k)
     moe_combine.combine(y, pos, torch.ones(pos.numel(), dtype=routing), spec.moe_top_k)
     bf16 = torch.bfloat16
+    fc1 = torch.zeros(spec.num_experts, 2 * 128, spec.hidden_size, dtype=bf16)
+    for tokens in (1, 16, 37):  # our gate/up as `routed_combined` calls it at this width
+        counts = torch.zeros(spec.num_experts, dtype=torch.int64)
+        counts[0] = tokens
+        x = torch.zeros(tokens, spec.hidden_size, dtype=bf16)
+        expert_gemm.gate_up(x, torch.arange(tokens), fc1, counts)
     for fp8 in (False, True):
         variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=bf16, fp8=fp8,
                                    quack=quack)  # fmt: skip
@@ -468,9 +476,18 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
         [ours] = [dict(v.params) for v in variants if v.kernel == "expert_gemm"]
         assert ours.get("gemms", "both") == ("gate_up" if served else "both")
         for variant in variants:
-            if variant.kernel == "moe_combine":
+            if variant.kernel == "moe_combine" or variant.kernel == "expert_gemm" and not fp8:
                 precompile.compile_variant(variant)
-    assert seen["launched"] and (seen["launched"] <= seen["compiled"]) == quack
+
+    def of(kernel: str, kind: str) -> set:
+        return {entry for entry in seen[kind] if entry[0] == kernel}
+
+    assert (
+        of("_combine", "launched")
+        and (of("_combine", "launched") <= of("_combine", "compiled")) == quack
+    )
+    # our gate/up: compiled whether the variant holds both GEMMs or gate/up alone
+    assert of("_expert_gemm_kernel", "launched") <= of("_expert_gemm_kernel", "compiled")
 
     compiled: list[bool] = []
     monkeypatch.setattr(expert_gemm, "_launch", lambda *a, **kw: compiled.append(kw["swiglu"]))
