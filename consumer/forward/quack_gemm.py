@@ -69,9 +69,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the experts' GEMMs run through quack on `device` for experts in `dtype`: bf16,
     an sm90 device, quack installed, and both GEMMs' result on a small case (an expert with no
     rows among them) matching a float32 loop. Checked once per device and dtype."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or not installed():
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if device.type != "cuda" or dtype != torch.bfloat16 or not may_serve(device):
         return False
     try:
         return _probe(device, dtype)
@@ -86,13 +84,19 @@ def _tile() -> Any:
     return GemmConfig(is_dynamic_persistent=False, **TILE)
 
 
-def may_serve() -> bool:
-    """Whether `available` may accept this host's CUDA device: quack installed and the device
-    sm90. Asked without a CUDA context (the precompile workers' question: what to compile);
-    `available` also checks a small case on the device."""
+def may_serve(device: torch.device | None = None) -> bool:
+    """Whether `available` may accept CUDA `device` (default: the current one): quack
+    installed and the device sm90. Asked without a CUDA context (also the precompile workers'
+    question: what to compile); `available` then checks a small case on the device."""
     if not installed() or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability() == (9, 0)
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def takes_rows(hidden: int, ffn: int) -> bool:
+    """Whether quack's GEMMs take experts of `hidden` x `ffn` in bf16: rows of whole 16-byte
+    units (TMA's step). Narrower ones keep the Triton kernels."""
+    return hidden % 8 == ffn % 8 == 0
 
 
 def takes_gate_up(hidden: int) -> bool:

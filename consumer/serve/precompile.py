@@ -246,7 +246,8 @@ def _experts_variants(
     experts = _experts_variant(spec, tp=tp, ep=ep, dtype=dtype, fp8=fp8)
     params = dict(experts.params)
     hidden, ffn = spec.hidden_size, params["ffn"]
-    if not quack or params["fp8"] or dtype != torch.bfloat16 or hidden % 8 or ffn % 8:
+    bf16 = not params["fp8"] and dtype == torch.bfloat16
+    if not (quack and bf16 and quack_gemm.takes_rows(hidden, ffn)):
         return [experts]
     combine = (("hidden", hidden), ("top_k", spec.moe_top_k), ("dtype", dtype),
                ("routing_dtype", params["routing_dtype"]))  # fmt: skip
