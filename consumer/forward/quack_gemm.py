@@ -34,6 +34,7 @@ import importlib
 import importlib.util
 import os
 import tempfile
+import threading
 from typing import Any
 
 import structlog
@@ -91,6 +92,28 @@ def may_serve(device: torch.device | None = None) -> bool:
     if not installed() or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.cache
+def preload(device: torch.device) -> threading.Thread | None:
+    """Import quack's GEMM interface on a daemon thread, once per process, where `may_serve`
+    accepts `device`: what `build_model` starts for a bf16 MoE teacher, so that the import
+    (the CuTe DSL's modules; 3-4 s after torch on a 2-core host) runs while the weights load
+    (reads and copies that mostly release the GIL) instead of in the warm-up's first forward.
+    Returns the thread (None where quack cannot serve); a failed import is logged at debug
+    level, and the first forward's own import then raises or falls back as before."""
+    if device.type != "cuda" or not may_serve(device):
+        return None
+    thread = threading.Thread(target=_import_interface, name="tq-quack-import", daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_interface() -> None:
+    try:
+        importlib.import_module("quack.gemm_interface")
+    except Exception as exc:  # noqa: BLE001 - another library's build: `available` decides
+        log.debug("quack_gemm.preload_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 def takes_rows(hidden: int, ffn: int) -> bool:

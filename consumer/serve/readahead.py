@@ -90,7 +90,7 @@ def start() -> threading.Thread | None:
 # The packages whose sources a consumer imports by the thousand: without bytecode each start
 # compiles them again (measured on an H200 host whose torch had none: 11.8 s to import the
 # consumer, 5.0 s with bytecode).
-BYTECODE_PACKAGES = ("torch", "megatron", "triton")
+BYTECODE_PACKAGES = ("torch", "megatron", "triton", "quack", "cutlass")
 
 
 def without_bytecode(

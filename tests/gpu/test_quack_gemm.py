@@ -166,3 +166,31 @@ def test_precompiled_gemms_are_the_ones_the_probe_and_experts_load(tmp_path):
     assert run(SERVE) == "0"
     assert sorted(tmp_path.rglob("*.o")) == made
     assert context == "0", "the precompile worker created a CUDA context"
+
+
+PRELOAD = """
+import dataclasses, sys, torch
+from consumer.forward import quack_gemm
+from consumer.forward.model import build_model
+from consumer.forward.spec import TINY
+from consumer.parallel import init_parallel
+assert "quack.gemm_interface" not in sys.modules
+spec = dataclasses.replace(TINY, family="qwen3_moe", hidden_size=128, num_experts=4,
+                           moe_top_k=2, moe_ffn_hidden_size=64)
+build_model(spec, init_parallel(tp=1, pp=1), params_dtype=torch.bfloat16,
+            device=torch.device("cuda"), init_weights=False)
+assert quack_gemm.preload.cache_info().currsize == 1, "the build started no import"
+thread = quack_gemm.preload(torch.device("cuda"))  # the build's own thread
+assert thread is not None
+thread.join(240)
+print("imported", int("quack.gemm_interface" in sys.modules))
+"""
+
+
+def test_a_bf16_moe_build_imports_quack_while_the_weights_load():
+    """Building a bf16 MoE teacher on the device starts quack's import on a thread (so that
+    the warm-up's first forward does not wait for it), once per process."""
+    done = subprocess.run([sys.executable, "-c", PRELOAD], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1"
