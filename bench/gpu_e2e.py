@@ -40,6 +40,12 @@ Paths, all on the same documents:
              `--e2e-variants` serves the same (c) windows again with other consumer settings
              (e.g. `cuda_graphs=0`), one consumer after the other.
 
+(c)'s timed windows (`--e2e-forwards` forwards of documents) are larger than a pass
+(`--pass-forwards`), so (a) and (b) are timed a second time on exactly the window's documents
+(the label and the full window score the same ones): c/a and c/b, and (c)'s MFU, are taken on
+those. On long-tailed lengths this matters: a 65k-token pass holds 0-3 of the 16k-32k
+documents, and two draws differed by 3x in attention FLOPs per token.
+
 Tokens/s count the documents' tokens (no padding, every shared prompt as often as it is
 submitted), so every path is credited the same work. Each side runs in its own process (HF in
 one, the consumer in another), so each peak of device memory (torch.cuda.max_memory_allocated,
@@ -265,6 +271,15 @@ def workload(name: str, *, tokens: int, vocab: int, seed: int) -> list[list]:
     return calls
 
 
+def window_seed(w: int) -> int:
+    """The seed of the documents of (c)'s timed windows for the `w`-th workload: the label
+    and the full window score the same documents, and transformers' window paths time
+    them too, so that (c)/(a) compares the two sides on the same documents. (A long-tailed
+    pass of 65k tokens holds 0-3 documents of 16k-32k tokens; two draws differ by up to
+    3x in attention per token, so a ratio across draws says little.)"""
+    return 1000 * (w + 1) + 500
+
+
 def docs_of(calls: list[list]) -> list:
     """The documents of a workload's calls, in submit order."""
     return [d for group in calls for d in group]
@@ -357,22 +372,28 @@ def hf_child(args: argparse.Namespace) -> None:
     def path_b(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
 
-    for name in args.workloads:
+    for w, name in enumerate(args.workloads):
 
-        def run_pass(seed: int, fn, name=name) -> int:
-            docs = docs_of(
-                workload(name, tokens=args.pass_tokens, vocab=cfg["vocab_size"], seed=seed)
-            )
+        def run_pass(seed: int, fn, name=name, w=w) -> int:
+            tokens = args.e2e_tokens if seed == window_seed(w) else args.pass_tokens
+            docs = docs_of(workload(name, tokens=tokens, vocab=cfg["vocab_size"], seed=seed))
             for batch in padded_batches(docs, args.tokens_per_forward):
                 ids, mask = padded_tensors(batch, device)
                 fn(ids, mask)
             return sum(len(d) for d in docs)
 
         run = {}
+        # the passes (the documents of ours (b')), then the documents of (c)'s windows
         for path, fn in (("hf", path_a), ("bare_hf", path_b)):
             run[path] = _timed_passes(
                 lambda seed, fn=fn: run_pass(seed, fn),
                 seeds=[100 + i for i in range(args.iters)],
+                warmup_seed=99,
+                cuda=cuda,
+            )
+            run[f"{path}_window"] = _timed_passes(
+                lambda seed, fn=fn: run_pass(seed, fn),
+                seeds=[window_seed(w)],
                 warmup_seed=99,
                 cuda=cuda,
             )
@@ -1045,10 +1066,10 @@ def run_e2e(
                             for c in docs
                         ]
 
-                    seed = 1000 * (w + 1) + (kind == "full")
+                    warm_seed = 1000 * (w + 1) + (kind == "full")
                     warm_tokens = args.e2e_warmup_forwards * args.tokens_per_forward
-                    _submit_and_wait(client, calls(seed, warm_tokens), 1800)
-                    timed = calls(seed + 500, args.e2e_tokens)
+                    _submit_and_wait(client, calls(warm_seed, warm_tokens), 1800)
+                    timed = calls(window_seed(w), args.e2e_tokens)
                     t0, t1, results = _submit_and_wait(client, timed, timeout=1800)
                     bad = [r for r in results if r.error]
                     if bad:
@@ -1100,6 +1121,18 @@ def _row(name: str, run: dict | None, flops_per_token: float) -> dict:
 TARGETS = {"1.5b": {"label": 2.0, "full": 1.8}, "7b": {"label": 1.5, "full": 1.3}}
 
 
+def _flops_of(cfg: dict, name: str, seed: int, tokens: int) -> tuple[list[int], float, float]:
+    """The lengths of a workload's documents, and FLOPs per token with and without the head."""
+    docs = docs_of(workload(name, tokens=tokens, vocab=cfg["vocab_size"], seed=seed))
+    lengths = [len(d) for d in docs]
+    n = sum(lengths)
+    return (
+        lengths,
+        forward_flops(cfg, lengths, with_head=True) / n,
+        forward_flops(cfg, lengths, with_head=False) / n,
+    )
+
+
 def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list[str]:
     """Human-readable table and ratios for one model."""
     import numpy as np
@@ -1107,16 +1140,9 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
     cfg = MODELS[model]
     lines = []
     rates: dict[str, dict[str, float]] = {}
-    for name in args.workloads:
-        lengths = [
-            len(d)
-            for d in docs_of(
-                workload(name, tokens=args.pass_tokens, vocab=cfg["vocab_size"], seed=100)
-            )
-        ]
-        tokens = sum(lengths)
-        fl_head = forward_flops(cfg, lengths, with_head=True) / tokens
-        fl_bare = forward_flops(cfg, lengths, with_head=False) / tokens
+    for i, name in enumerate(args.workloads):
+        lengths, fl_head, fl_bare = _flops_of(cfg, name, 100, args.pass_tokens)
+        windowed, fl_head_w, fl_bare_w = _flops_of(cfg, name, window_seed(i), args.e2e_tokens)
         h, d = hf["runs"][name], e2e["direct"][name]
         rows = [
             _row("(a) hf fwd+fp32 log_softmax", h["hf"], fl_head),
@@ -1128,13 +1154,17 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
         if "direct_full_eager" in d:  # a teacher served without graphs (MoE) has no A/B here
             twin = "no graphs" if d.get("graphed", True) else "seen again"
             rows.append(_row(f"(c-direct e) full, {twin}", d["direct_full_eager"], fl_head))
+        if "hf_window" in h:  # transformers on (c)'s documents
+            rows.append(_row("(a) on (c)'s documents", h["hf_window"], fl_head_w))
+            rows.append(_row("(b) on (c)'s documents", h["bare_hf_window"], fl_bare_w))
         for kind in ("label", "full"):
             w = e2e["windows"][f"{name}_{kind}"]
             run = {"tok_s": w["tokens"] / w["seconds"], "peak_gib": e2e.get("serve_peak_gib")}
-            rows.append(_row(f"(c) e2e {kind}", run, fl_head))
+            rows.append(_row(f"(c) e2e {kind}", run, fl_head_w))
         lines.append(
             f"\nmodel {model}  workload {name}  ({len(lengths)} documents a pass, mean "
-            f"{np.mean(lengths):.0f} tokens, max {max(lengths)}; tokens/forward "
+            f"{np.mean(lengths):.0f} tokens, max {max(lengths)}; (c)'s window {len(windowed)} "
+            f"documents, mean {np.mean(windowed):.0f}, max {max(windowed)}; tokens/forward "
             f"{args.tokens_per_forward})"
         )
         lines.append(f"{'path':<32}{'tok/s':>11}{'MFU':>8}{'peak GiB':>10}")
@@ -1143,7 +1173,10 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
                 peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
                 lines.append(f"{r['path']:<32}{r['tok_s']:>11.0f}{r['mfu']:>8.1%}{peak:>10}")
         by = {r["path"]: r for r in rows}
-        a, b = by["(a) hf fwd+fp32 log_softmax"], by["(b) bare fwd, HF"]
+        # (c) against transformers on its own documents where that ran (older HF JSON: the
+        # passes' documents)
+        a = by.get("(a) on (c)'s documents", by["(a) hf fwd+fp32 log_softmax"])
+        b = by.get("(b) on (c)'s documents", by["(b) bare fwd, HF"])
         rates[name] = {}
         for kind in ("label", "full"):
             c = by[f"(c) e2e {kind}"]
@@ -1236,7 +1269,8 @@ def _variant_lines(args: argparse.Namespace, hf: dict, e2e: dict) -> list[str]:
         return lines
     lines.append(f"\n(c) side by side: {' | '.join(runs)}")
     for name in args.workloads:
-        a = hf["runs"][name]["hf"]["tok_s"]
+        run_a = hf["runs"][name]
+        a = run_a.get("hf_window", run_a["hf"])["tok_s"]  # on (c)'s documents where it ran
         for kind in ("label", "full"):
             cells = []
             for run in runs.values():
