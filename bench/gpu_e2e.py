@@ -391,12 +391,16 @@ def hf_child(args: argparse.Namespace) -> None:
                 warmup_seed=99,
                 cuda=cuda,
             )
-            run[f"{path}_window"] = _timed_passes(
-                lambda seed, fn=fn: run_pass(seed, fn),
-                seeds=[window_seed(w)],
-                warmup_seed=99,
-                cuda=cuda,
-            )
+            try:
+                run[f"{path}_window"] = _timed_passes(
+                    lambda seed, fn=fn: run_pass(seed, fn),
+                    seeds=[window_seed(w)],
+                    warmup_seed=99,
+                    cuda=cuda,
+                )
+            except torch.cuda.OutOfMemoryError as exc:  # a longer document than the pass's
+                run[f"{path}_window_error"] = f"out of memory: {str(exc).splitlines()[0]}"
+                torch.cuda.empty_cache()
         out["runs"][name] = run
     print(json.dumps(out))
 
@@ -1133,6 +1137,19 @@ def _flops_of(cfg: dict, name: str, seed: int, tokens: int) -> tuple[list[int], 
     )
 
 
+def _window_rows(h: dict, fl_head: float, fl_bare: float) -> tuple[list[dict], list[str]]:
+    """Rows of transformers' (a) and (b) on (c)'s documents (HF JSON `h` of one workload),
+    and a note for each that ran out of memory (c/a and c/b then fall back to the pass)."""
+    rows, notes = [], []
+    for path, label, fl in (("hf", "(a)", fl_head), ("bare_hf", "(b)", fl_bare)):
+        if f"{path}_window" in h:
+            rows.append(_row(f"{label} on (c)'s documents", h[f"{path}_window"], fl))
+        elif f"{path}_window_error" in h:
+            notes.append(f"{label} on (c)'s documents: {h[f'{path}_window_error']}; c/a and "
+                         "c/b below are against the pass's documents")  # fmt: skip
+    return rows, notes
+
+
 def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list[str]:
     """Human-readable table and ratios for one model."""
     import numpy as np
@@ -1154,9 +1171,8 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
         if "direct_full_eager" in d:  # a teacher served without graphs (MoE) has no A/B here
             twin = "no graphs" if d.get("graphed", True) else "seen again"
             rows.append(_row(f"(c-direct e) full, {twin}", d["direct_full_eager"], fl_head))
-        if "hf_window" in h:  # transformers on (c)'s documents
-            rows.append(_row("(a) on (c)'s documents", h["hf_window"], fl_head_w))
-            rows.append(_row("(b) on (c)'s documents", h["bare_hf_window"], fl_bare_w))
+        windowed_rows, notes = _window_rows(h, fl_head_w, fl_bare_w)
+        rows += windowed_rows
         for kind in ("label", "full"):
             w = e2e["windows"][f"{name}_{kind}"]
             run = {"tok_s": w["tokens"] / w["seconds"], "peak_gib": e2e.get("serve_peak_gib")}
@@ -1167,6 +1183,7 @@ def summarize(args: argparse.Namespace, model: str, hf: dict, e2e: dict) -> list
             f"documents, mean {np.mean(windowed):.0f}, max {max(windowed)}; tokens/forward "
             f"{args.tokens_per_forward})"
         )
+        lines += notes
         lines.append(f"{'path':<32}{'tok/s':>11}{'MFU':>8}{'peak GiB':>10}")
         for r in rows:
             if "tok_s" in r:
