@@ -1,0 +1,82 @@
+"""quack-kernels' import on a thread while the weights load (`quack_gemm.preload`, #51).
+
+quack itself needs an sm90 device to serve; here a small package of the same name stands in
+for it, on a path of its own, so that what is checked is the preload's own part: the import
+runs on one daemon thread per device, the caller does not wait for it, a failing import is
+logged and raised to no one, and a device quack cannot serve starts nothing."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import structlog
+import torch
+
+from consumer.forward import quack_gemm
+from tests.timing import scaled, wait_until
+
+INTERFACE = """
+import threading
+gate = threading.Event()
+gate.wait(30)  # the test opens it: the import is still running when preload returns
+THREAD = threading.current_thread().name
+"""
+
+
+@pytest.fixture
+def fake_quack(tmp_path, monkeypatch):
+    """A `quack.gemm_interface` of our own on sys.path, served as if the device were sm90."""
+    pkg = tmp_path / "quack"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(quack_gemm, "may_serve", lambda device=None: True)
+    for name in ("quack", "quack.gemm_interface"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    quack_gemm.preload.cache_clear()
+    yield pkg
+    quack_gemm.preload.cache_clear()
+    for name in ("quack", "quack.gemm_interface"):
+        sys.modules.pop(name, None)
+
+
+def test_the_import_runs_on_one_thread_while_the_caller_goes_on(fake_quack):
+    (fake_quack / "gemm_interface.py").write_text(INTERFACE)
+    thread = quack_gemm.preload(torch.device("cuda", 0))
+    assert thread is not None and thread.daemon and thread.is_alive()  # returned at once
+    assert quack_gemm.preload(torch.device("cuda", 0)) is thread  # once per device
+    # the module is being imported on the thread: open its gate, then it finishes
+    gate = wait_until(_gate, "the import on the thread reached its gate")
+    gate.set()
+    thread.join(scaled(30))
+    assert not thread.is_alive()
+    assert sys.modules["quack.gemm_interface"].THREAD == "tq-quack-import"
+
+
+def test_a_failing_import_is_logged_not_raised(fake_quack):
+    (fake_quack / "gemm_interface.py").write_text("raise ImportError('no libcuda here')\n")
+    with structlog.testing.capture_logs() as logs:
+        thread = quack_gemm.preload(torch.device("cuda", 0))
+        assert thread is not None
+        thread.join(scaled(30))
+    failed = [e for e in logs if e["event"] == "quack_gemm.preload_failed"]
+    assert failed and "no libcuda here" in failed[0]["error"]
+    assert failed[0]["log_level"] == "debug"
+
+
+def test_nothing_starts_where_quack_cannot_serve(fake_quack, monkeypatch):
+    (fake_quack / "gemm_interface.py").write_text(INTERFACE)
+    before = threading.active_count()
+    assert quack_gemm.preload(torch.device("cpu")) is None
+    monkeypatch.setattr(quack_gemm, "may_serve", lambda device=None: False)
+    assert quack_gemm.preload(torch.device("cuda", 0)) is None
+    assert threading.active_count() == before
+    assert "quack.gemm_interface" not in sys.modules
+
+
+def _gate():
+    """The stand-in module's gate once its import (still running) has made it."""
+    module = sys.modules.get("quack.gemm_interface")
+    return getattr(module, "gate", None)
