@@ -173,7 +173,7 @@ def routed_combined(
         return None
     from consumer.kernels import expert_gemm, moe_combine
 
-    x, fc1, fc2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, fc1, fc2))
+    x, fc1, fc2 = _rows_contiguous(x, fc1, fc2)
     starts = quack_gemm.offsets(counts)
     if quack_gemm.takes_gate_up(hidden):
         h = quack_gemm.gate_up(x, tokens, fc1, starts)
@@ -185,11 +185,16 @@ def routed_combined(
     return moe_combine.combine(y, pos, weights, top_k)
 
 
+def _rows_contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with its last dim contiguous (the kernels step along it); no copy where it
+    is already, as TeacherMoE's operands are."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def _fused(x, rows, dst, weights, counts, fc1, fc2, out, fc1_scale, fc2_scale) -> None:
     from consumer.kernels import expert_gemm as eg
 
-    # the kernels step along the last dim of each operand: contiguous rows (no-ops as called)
-    x, fc1, fc2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, fc1, fc2))
+    x, fc1, fc2 = _rows_contiguous(x, fc1, fc2)
     x_scale = None
     if fc1_scale is not None:
         x, x_scale = _quantize(x)
