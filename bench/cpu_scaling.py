@@ -39,6 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_common import child_pythonpath  # noqa: E402 - repo on path
 from producer.client import TeacherClient  # noqa: E402 - repo on path
 from shared.log import configure_logging  # noqa: E402 - repo on path
 from shared.messages import TeacherRequest  # noqa: E402 - repo on path
@@ -106,7 +107,7 @@ def _settings(redis_url: str, workdir: Path, args: argparse.Namespace) -> Settin
 
 def _start_consumers(settings: Settings, n: int, workdir: Path, threads: int | None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEACHERQ_")}
-    env.update(to_env(settings), PYTHONPATH=str(REPO))
+    env.update(to_env(settings), PYTHONPATH=child_pythonpath())
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op pool size at start-up
     procs = []

@@ -38,6 +38,7 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.gpu_common import child_pythonpath  # noqa: E402 - repo on path
 from producer.aio import AsyncTeacherClient  # noqa: E402 - repo on path
 from shared.messages import TeacherRequest  # noqa: E402 - repo on path
 from shared.settings import Settings, to_env  # noqa: E402 - repo on path
@@ -218,7 +219,7 @@ def main() -> None:
         gateway={} if args.coalesce_ms is None else {"coalesce_ms": args.coalesce_ms},
         log={"format": "json", "level": "warning"},
     )
-    env = {**os.environ, **to_env(settings), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath()}
     log = open(tmp / "consumer.log", "w")  # noqa: SIM115 - kept open for the process
     consumer = subprocess.Popen(
         [sys.executable, "-m", "consumer"], env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT
