@@ -698,7 +698,7 @@ def main() -> None:
     if args.no_quack:  # the experts' Triton down GEMM, scatter and sum (moe_gemm.routed_swiglu)
         from consumer.forward import quack_gemm
 
-        quack_gemm.available = lambda device, dtype: False
+        quack_gemm.allow(False)  # as `consumer.expert_gemms = triton` sets it
     if args.gemm_only:
         print(json.dumps(gemm_only(args, device), indent=2))
     elif args.per_layer:

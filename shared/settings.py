@@ -367,6 +367,14 @@ class ConsumerSettings(_Section):
     stores it again. For machines that share no volume (docs/operations.md). Unset: local
     only."""
 
+    expert_gemms: Literal["auto", "triton"] = "auto"
+    """How a mixture-of-experts teacher's bf16 routed experts multiply on an sm90 GPU (H100,
+    H200). auto: through quack-kernels' GEMMs where that package is installed (the `hopper`
+    extra) and a check of both GEMMs on the device agrees with torch, else through teacherq's
+    Triton kernels; triton: always the Triton kernels (quack is then neither imported nor
+    compiled for). FP8 experts and other GPUs always take the Triton kernels
+    (docs/moe.md)."""
+
     precompile: bool = True
     """On CUDA, compile the warm-up's Triton kernels (and quack-kernels' GEMMs, where they
     serve) in parallel worker processes started before torch is imported, so that the warm-up

@@ -60,6 +60,20 @@ UP_MIN_HIDDEN = 4096
 PROBE_N = 256
 
 
+# `consumer.expert_gemms`: "triton" turns this path off for the process (`allow`)
+_allowed = True
+
+
+def allow(enabled: bool) -> None:
+    """Let quack serve the experts in this process (the default) or not (`consumer.expert_gemms
+    = triton`: the Triton kernels always, and quack neither imported nor compiled for). Set
+    before the model is built: what `available` and `preload` decided is forgotten."""
+    global _allowed
+    _allowed = enabled
+    available.cache_clear()
+    preload.cache_clear()
+
+
 def installed() -> bool:
     """Whether quack-kernels imports here (the `hopper` extra)."""
     return importlib.util.find_spec("quack") is not None
@@ -87,9 +101,10 @@ def _tile() -> Any:
 
 def may_serve(device: torch.device | None = None) -> bool:
     """Whether `available` may accept CUDA `device` (default: the current one): quack
-    installed and the device sm90. Asked without a CUDA context (also the precompile workers'
-    question: what to compile); `available` then checks a small case on the device."""
-    if not installed() or not torch.cuda.is_available():
+    allowed (`allow`), installed, and the device sm90. Asked without a CUDA context (also the
+    precompile workers' question: what to compile); `available` then checks a small case on
+    the device."""
+    if not _allowed or not installed() or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) == (9, 0)
 

@@ -74,6 +74,7 @@ class Job:
     full: bool
     workers: int
     ep: int = 1  # expert-parallel ways of a MoE model's replica
+    quack: bool = True  # consumer.expert_gemms: quack-kernels may serve the experts (auto)
 
     def to_json(self) -> str:
         """The job as one JSON argument."""
@@ -357,6 +358,7 @@ class Precompile:
             full=c.warmup == "full" or c.warmup == "auto",
             workers=workers,
             ep=settings.parallel.ep,
+            quack=c.expert_gemms == "auto",
         )
         plan = job.digest()  # reads the model's config.json: once
         if cache is not None and cache.holds(plan):
@@ -466,6 +468,7 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
 
     if not torch.cuda.is_available():
         return 0
+    quack_gemm.allow(job.quack)
     # No set_device: it would create a CUDA context (memory on the GPU the consumer is
     # loading onto); compiling needs the device's capability only, the same for all of a host.
     spec, fp8 = model_shape(job.model_path)

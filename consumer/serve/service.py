@@ -15,6 +15,7 @@ import torch
 
 from consumer import cpu_compat
 from consumer.checkpoints.prefetch import Prefetch
+from consumer.forward import quack_gemm
 from consumer.forward.attention import varlen_supported
 from consumer.forward.graphs import GraphedForward
 from consumer.forward.load_phases import phase, recording
@@ -353,6 +354,7 @@ def run(
     after the import and stopped once the weights are loaded."""
     clock = StartClock(started)
     cpu_compat.apply()
+    quack_gemm.allow(settings.consumer.expert_gemms == "auto")
     clock.lap("import")
     if prefetch is not None:
         prefetch.start()  # now that the import's own reads are done

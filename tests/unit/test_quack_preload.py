@@ -80,3 +80,44 @@ def _gate():
     """The stand-in module's gate once its import (still running) has made it."""
     module = sys.modules.get("quack.gemm_interface")
     return getattr(module, "gate", None)
+
+
+@pytest.fixture
+def sm90_with_quack(monkeypatch):
+    """What `may_serve` asks, answered as on an H100 with quack-kernels installed; quack
+    allowed again afterwards (the process-wide default)."""
+    monkeypatch.setattr(quack_gemm, "installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    yield
+    quack_gemm.allow(True)
+
+
+def test_expert_gemms_triton_turns_quack_off_for_the_process(sm90_with_quack):
+    """`consumer.expert_gemms = triton` (`allow(False)`): quack may not serve, nor is it
+    imported; auto (`allow(True)`) gives it back."""
+    assert quack_gemm.may_serve()
+    quack_gemm.allow(False)
+    assert not quack_gemm.may_serve()
+    assert quack_gemm.preload(torch.device("cuda", 0)) is None
+    assert not quack_gemm.available(torch.device("cuda", 0), torch.bfloat16)
+    quack_gemm.allow(True)
+    assert quack_gemm.may_serve()
+
+
+@pytest.mark.parametrize("quack", [True, False])
+def test_precompile_workers_plan_quack_as_the_setting_says(sm90_with_quack, monkeypatch, quack):
+    """A precompile worker plans quack's GEMMs only where the consumer's setting lets quack
+    serve (the job carries it), so the workers never compile for a path that is off."""
+    from consumer.serve import precompile
+
+    seen = []
+    monkeypatch.setattr(precompile, "warmup_plan", lambda *a, **kw: seen.append(kw) or [])
+    job = precompile.Job(
+        model_path=None, tp=1, tp_rank=0, dtype="bfloat16", max_top_k=4, max_sample_n=2,
+        token_budget=256, full=True, workers=1, quack=quack,
+    )  # fmt: skip
+    assert precompile._worker(job, 0) == 0
+    assert [kw["quack"] for kw in seen] == [quack]
+    other = precompile.Job(**{**job.__dict__, "quack": not quack})
+    assert other.digest() != job.digest()  # a sealed cache's plan is the setting's too
