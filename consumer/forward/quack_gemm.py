@@ -111,17 +111,30 @@ def may_serve(device: torch.device | None = None) -> bool:
 
 @functools.cache
 def preload(device: torch.device) -> threading.Thread | None:
-    """Import quack's GEMM interface on a daemon thread, once per process, where `may_serve`
-    accepts `device`: what `build_model` starts for a bf16 MoE teacher, so that the import
-    (the CuTe DSL's modules; 3-4 s after torch on a 2-core host) runs while the weights load
-    (reads and copies that mostly release the GIL) instead of in the warm-up's first forward.
-    Returns the thread (None where quack cannot serve); a failed import is logged at debug
-    level, and the first forward's own import then raises or falls back as before."""
+    """Import quack's GEMM interface on a daemon thread, once per process and device, where
+    `may_serve` accepts `device`: what `build_model` starts for a bf16 MoE teacher, so that
+    the import (the CuTe DSL's modules; 3-4 s after torch on a 2-core host) runs while the
+    weights load (reads and copies that mostly release the GIL) instead of in the warm-up's
+    first forward. Returns the thread (None where quack cannot serve); a failed import is
+    logged at debug level, and the first forward's own import then raises or falls back as
+    before. `settle` waits for it."""
     if device.type != "cuda" or not may_serve(device):
         return None
     thread = threading.Thread(target=_import_interface, name="tq-quack-import", daemon=True)
     thread.start()
+    _preloading.append(thread)
     return thread
+
+
+_preloading: list[threading.Thread] = []
+
+
+def settle(timeout_s: float = 120.0) -> None:
+    """Wait for the imports `preload` started: the consumer calls this before its warm-up,
+    whose first forward imports parts of torch lazily, so that no two threads import at once
+    while it runs (two imports entering a cycle of modules from both ends fail one of them)."""
+    while _preloading:
+        _preloading.pop().join(timeout_s)
 
 
 def _import_interface() -> None:

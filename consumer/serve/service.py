@@ -168,6 +168,7 @@ def warmup(scorer: Scorer, settings: Settings) -> dict[str, object]:
     returns what was warmed, for the start-up log."""
     from consumer.serve import warmup as warming
 
+    quack_gemm.settle()  # quack's import on its thread (`preload`) ends before the forwards
     plan = warming.plan(
         max_top_k=settings.queue.max_top_k,
         max_sample_n=settings.queue.max_sample_n,

@@ -2,8 +2,9 @@
 
 quack itself needs an sm90 device to serve; here a small package of the same name stands in
 for it, on a path of its own, so that what is checked is the preload's own part: the import
-runs on one daemon thread per device, the caller does not wait for it, a failing import is
-logged and raised to no one, and a device quack cannot serve starts nothing."""
+runs on one daemon thread per device, the caller does not wait for it (`settle`, before the
+warm-up, does), a failing import is logged and raised to no one, and a device quack cannot
+serve starts nothing."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def fake_quack(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     quack_gemm.preload.cache_clear()
     yield pkg
+    quack_gemm.settle(scaled(30))
     quack_gemm.preload.cache_clear()
     for name in ("quack", "quack.gemm_interface"):
         sys.modules.pop(name, None)
@@ -50,7 +52,7 @@ def test_the_import_runs_on_one_thread_while_the_caller_goes_on(fake_quack):
     # the module is being imported on the thread: open its gate, then it finishes
     gate = wait_until(_gate, "the import on the thread reached its gate")
     gate.set()
-    thread.join(scaled(30))
+    quack_gemm.settle(scaled(30))  # what the consumer waits on before its warm-up
     assert not thread.is_alive()
     assert sys.modules["quack.gemm_interface"].THREAD == "tq-quack-import"
 
