@@ -311,13 +311,15 @@ def _gib(n: float | None) -> float | None:
 
 
 def _timed_passes(
-    run_pass: Callable[[int], int], *, seeds: list[int], warmup_seed: int, cuda: bool
+    run_pass: Callable[[int], int], *, seeds: list[int], warmup_seed: int | None, cuda: bool
 ) -> dict:
     """Time `run_pass(seed)` (which returns the tokens it scored) once per seed after one
-    warm-up pass; tokens/s over all timed passes, and the device peak."""
+    warm-up pass (none where `warmup_seed` is None: the path ran just before); tokens/s over
+    all timed passes, and the device peak."""
     import torch
 
-    run_pass(warmup_seed)
+    if warmup_seed is not None:
+        run_pass(warmup_seed)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -395,7 +397,7 @@ def hf_child(args: argparse.Namespace) -> None:
                 run[f"{path}_window"] = _timed_passes(
                     lambda seed, fn=fn: run_pass(seed, fn),
                     seeds=[window_seed(w)],
-                    warmup_seed=99,
+                    warmup_seed=None,  # warmed up by the passes just timed
                     cuda=cuda,
                 )
             except torch.cuda.OutOfMemoryError as exc:  # a longer document than the pass's
