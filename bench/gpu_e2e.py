@@ -44,7 +44,7 @@ Paths, all on the same documents:
 (`--pass-forwards`), so (a) and (b) are timed a second time on exactly the window's documents
 (the label and the full window score the same ones): c/a and c/b, and (c)'s MFU, are taken on
 those. On long-tailed lengths this matters: a 65k-token pass holds 0-3 of the 16k-32k
-documents, and two draws differed by 3x in attention FLOPs per token.
+documents, and two draws differed by up to 4x in attention FLOPs per token.
 
 Tokens/s count the documents' tokens (no padding, every shared prompt as often as it is
 submitted), so every path is credited the same work. Each side runs in its own process (HF in
@@ -275,8 +275,8 @@ def window_seed(w: int) -> int:
     """The seed of the documents of (c)'s timed windows for the `w`-th workload: the label
     and the full window score the same documents, and transformers' window paths time
     them too, so that (c)/(a) compares the two sides on the same documents. (A long-tailed
-    pass of 65k tokens holds 0-3 documents of 16k-32k tokens; two draws differ by up to
-    3x in attention per token, so a ratio across draws says little.)"""
+    pass of 65k tokens holds 0-3 documents of 16k-32k tokens; two draws differed by up to
+    4x in attention per token, so a ratio across draws says little.)"""
     return 1000 * (w + 1) + 500
 
 
