@@ -251,10 +251,10 @@ def build_model(
     )
     if spec.is_moe:  # dense and sparse layers differ: checkpoint keys per layer, not stacked
         config.hetereogenous_dist_checkpoint = True  # (megatron's spelling)
-        if params_dtype == torch.bfloat16 and torch.device(device).type == "cuda":
+        if params_dtype == torch.bfloat16:
             from consumer.forward import quack_gemm
 
-            quack_gemm.preload(torch.device(device))  # imported while the weights load
+            quack_gemm.preload(torch.device(device))  # on CUDA: imported while weights load
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     layer_spec.submodules.mlp.module = TeacherMLP

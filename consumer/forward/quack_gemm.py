@@ -62,6 +62,8 @@ PROBE_N = 256
 
 # `consumer.expert_gemms`: "triton" turns this path off for the process (`allow`)
 _allowed = True
+# the import threads `preload` started and `settle` has not waited for yet
+_preloading: list[threading.Thread] = []
 
 
 def allow(enabled: bool) -> None:
@@ -124,9 +126,6 @@ def preload(device: torch.device) -> threading.Thread | None:
     thread.start()
     _preloading.append(thread)
     return thread
-
-
-_preloading: list[threading.Thread] = []
 
 
 def settle(timeout_s: float = 120.0) -> None:
