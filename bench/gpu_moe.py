@@ -43,9 +43,7 @@ one bf16 GEMM against three bf16 parts of the weight), each against float64. Bes
 public grouped GEMMs alone (`public_grouped_gemms`: torch's `_grouped_mm`, and quack-kernels'
 where installed; `--quack-autotune`: autotuned too) and, with quack installed on sm90, the
 path TeacherMoE then takes (`quack`: `moe_gemm.routed_combined`). `--no-quack` keeps
-TeacherMoE on the Triton path there (in every mode). `--no-shared-overlap` runs the shared
-expert's gate/up GEMM after the routing on one stream instead of beside it on a second (the
-A/B of `moe.overlap_shared`).
+TeacherMoE on the Triton path there (in every mode).
 
 `--per-layer` (DeepSeek-V3, GLM-4.5-Air) runs the default comparison on four cuts of the
 shape, one after another on the same documents: 1 dense layer, 2 dense, 1 dense + 1 sparse,
@@ -237,11 +235,6 @@ def parse_args() -> argparse.Namespace:
         "--no-quack",
         action="store_true",
         help="teacherq's experts without quack-kernels' GEMMs even where it is installed",
-    )
-    p.add_argument(
-        "--no-shared-overlap",
-        action="store_true",
-        help="teacherq's shared expert after the routing on one stream, not beside it",
     )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -706,10 +699,6 @@ def main() -> None:
         from consumer.forward import quack_gemm
 
         quack_gemm.allow(False)  # as `consumer.expert_gemms = triton` sets it
-    if args.no_shared_overlap:
-        from consumer.forward import moe
-
-        moe.overlap_shared(False)
     if args.gemm_only:
         print(json.dumps(gemm_only(args, device), indent=2))
     elif args.per_layer:

@@ -41,38 +41,6 @@ from consumer.forward.spec import ModelSpec
 
 log = structlog.get_logger("teacherq.consumer")
 _SPLIT_FAILED: list[str] = []  # set where `split_router_logits` raised: float32 from then on
-# On CUDA the shared expert's gate/up GEMM runs on a second stream while the routing (small,
-# latency-bound kernels: router, top-k, sort, counts) runs on the caller's; `overlap_shared`
-# turns that off (the bench's A/B). One side stream per device; not while a CUDA graph records.
-_OVERLAP = {"shared": True}
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def overlap_shared(enabled: bool) -> None:
-    """Whether the shared expert's gate/up GEMM runs beside the routing on a second CUDA
-    stream (the default) or after it on the caller's stream; the results are the same."""
-    _OVERLAP["shared"] = bool(enabled)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream records a graph (the caller has checked for CUDA)."""
-    return torch.cuda.is_current_stream_capturing()
-
-
-def _joined(act: torch.Tensor, side: torch.cuda.Stream) -> torch.Tensor:
-    """`act`, computed on `side`, made safe to read (and free) on the current stream."""
-    main = torch.cuda.current_stream(act.device)
-    main.wait_stream(side)
-    act.record_stream(main)
-    return act
-
 
 # The names TeacherMoE.sharded_state_dict gives its entries (under the layer's `mlp.`).
 CHECKPOINT_ENTRIES = (
@@ -310,28 +278,18 @@ class TeacherMoE(torch.nn.Module):
         scale = getattr(self, f"experts_{which}_scale")
         return scale if isinstance(scale, torch.Tensor) else None
 
-    def _shared_act(self, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of the shared expert's gate/up GEMM: [T, s_l]."""
-        return swiglu(F.linear(x, self.shared_fc1.flatten(0, 1)))
-
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # megatron's MLP call
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        beside = None  # (the shared expert's activation, the stream computing it)
-        if self.shared and x.is_cuda and _OVERLAP["shared"] and not capturing():
-            side = _side_stream(x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))  # x is held past the join
-            with torch.cuda.stream(side):
-                beside = (self._shared_act(x), side)
         weights, ids = self.route(x)
         out = self._routed(x, weights, ids)
         if self.shared:
-            act = self._shared_act(x) if beside is None else _joined(*beside)
+            up = F.linear(x, self.shared_fc1.flatten(0, 1))
             if self.shared_gated:
-                shared = F.linear(act, self.shared_fc2)
+                shared = F.linear(swiglu(up), self.shared_fc2)
                 out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             else:  # added to the routed sum by the GEMM itself, not in a pass of its own
-                out.addmm_(act, self.shared_fc2.T)
+                out.addmm_(swiglu(up), self.shared_fc2.T)
         if self.layout.group is not None:
             dist.all_reduce(out, group=self.layout.group)
         return out.reshape(shape), None

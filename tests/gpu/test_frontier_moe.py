@@ -108,25 +108,3 @@ def test_family_on_cuda_matches_transformers(name, hf_checkpoint, layout) -> Non
         ours_err = max(ours_err, float(np.abs(b["logprobs"] - ref[rows, ids[1:]]).max()))
         hf_err = max(hf_err, float(np.abs(h[rows, ids[1:]] - ref[rows, ids[1:]]).max()))
     assert ours_err <= 2 * hf_err + 2e-2, (ours_err, hf_err)
-
-
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
-def test_the_shared_expert_beside_the_routing_changes_no_output(name, hf_checkpoint, layout):
-    """The shared expert's gate/up GEMM on a second stream (the default) gives the outputs it
-    gives on the caller's stream after the routing, to the bit."""
-    from consumer.forward import moe
-
-    case = dict(CASES[name])
-    path = str(hf_checkpoint(case.pop("family"), f"gpu-frontier-{name}", seed=7, **SHAPE, **case))
-    moe._SIDE_STREAMS.clear()
-    beside = _ours(path, layout, torch.bfloat16)
-    assert moe._SIDE_STREAMS, "the side stream was not used"
-    moe.overlap_shared(False)
-    try:
-        after = _ours(path, layout, torch.bfloat16)
-    finally:
-        moe.overlap_shared(True)
-    for a, b in zip(beside, after, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:  # log-probs, top-k, samples, entropy
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
