@@ -384,6 +384,7 @@ def start(
         "wall_s": round(time.monotonic() - t0, 2),
         **ready["phases_s"],
         "compiled_in_warmup": warmed.get("compiled_in_warmup"),
+        "compiled_in_warmup_kernels": warmed.get("compiled_in_warmup_kernels"),
         "precompile": warmed.get("precompile"),
         "compile_cache_found": (warmed.get("compile_cache") or {}).get("opened"),
         "page_cache_dropped": dropped,

@@ -303,14 +303,18 @@ class StartClock:
         self.phases["total"] = round(now - self.started, 3)
 
 
-def compiled_kernels(cache: CompileCache | None) -> int:
-    """Kernels in Triton's cache now (one metadata group file per compiled kernel) and in
-    quack-kernels' (one object file each); 0 where the cache is not ours to count."""
+def compiled_kernels(cache: CompileCache | None) -> set[str]:
+    """Kernels in Triton's cache now (one metadata group file per compiled kernel, named
+    `triton:<kernel>@<hash>`) and in quack-kernels' (one object file each,
+    `quack:<sha>`); none where the cache is not ours to count."""
     if cache is None or cache.path is None:
-        return 0
+        return set()
     triton = Path(cache.variables["TRITON_CACHE_DIR"]).glob("*/__grp__*.json")
+    found = {f"triton:{f.stem.removeprefix('__grp__')}@{f.parent.name[:12]}" for f in triton}
     quack = cache.variables.get("QUACK_CACHE_DIR")
-    return sum(1 for _ in triton) + (sum(1 for _ in Path(quack).glob("*/*.o")) if quack else 0)
+    if quack:
+        found |= {f"quack:{f.stem[:16]}" for f in Path(quack).glob("*/*.o")}
+    return found
 
 
 def seal(
@@ -397,9 +401,9 @@ def run(
 
         def warm(fresh: Scorer) -> dict:
             """Wait for the precompile workers, then warm `fresh` up (phases compile and
-            warmup of the start). Counts the kernels the warm-up compiled itself: 0 when the
-            cache or the workers had them (counted after the workers, whose kernels land in
-            the same cache)."""
+            warmup of the start). Counts and names the kernels the warm-up compiled itself:
+            none when the cache or the workers had them (counted after the workers, whose
+            kernels land in the same cache)."""
             with phase("compile"):
                 precompiled = (
                     precompile.wait(settings.consumer.precompile_timeout_s) if precompile else None
@@ -407,8 +411,14 @@ def run(
             with phase("warmup"):
                 before = compiled_kernels(compile_cache)
                 done = warmup(fresh, settings)
-                compiled = compiled_kernels(compile_cache) - before
-                return {"precompile": precompiled or {}, **done, "compiled_in_warmup": compiled}
+                compiled = sorted(compiled_kernels(compile_cache) - before)
+                return {
+                    "precompile": precompiled or {},
+                    **done,
+                    "compiled_in_warmup": len(compiled),
+                    # which: a kernel the precompile plan missed (at most 8 named)
+                    "compiled_in_warmup_kernels": compiled[:8],
+                }
 
         with recording() as load_phases:
             # Warm up first only while the prefetch reads the checkpoint: otherwise the load

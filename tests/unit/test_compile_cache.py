@@ -163,19 +163,19 @@ def test_a_seal_records_the_plan_and_the_next_start_finds_it(tmp_path: Path) -> 
 
 
 def test_compiled_kernels_counts_tritons_and_quacks(tmp_path: Path) -> None:
-    """`compiled_in_warmup` (consumer.ready) counts what the warm-up compiled: Triton's
-    kernels by their metadata group file (not each file of one), quack-kernels' GEMMs by
-    their object file (not their lock files); none where the cache is not ours."""
+    """`compiled_in_warmup` (consumer.warmed_up) counts and names what the warm-up compiled:
+    Triton's kernels by their metadata group file (not each file of one), quack-kernels'
+    GEMMs by their object file (not their lock files); none where the cache is not ours."""
     from consumer.serve.service import compiled_kernels
 
     env: dict[str, str] = {}
     cache = apply(tmp_path, tmp_path, env, key=KEY)
-    assert compiled_kernels(cache) == 0
+    assert compiled_kernels(cache) == set()
     _compile(env, "__grp__k.json")
     _compile(env, "k.cubin")
     quack = Path(env["QUACK_CACHE_DIR"]) / "FINGERPRINT"
     quack.mkdir(parents=True)
     (quack / "sha.o").write_bytes(b"elf")
     (quack / "sha.lock").write_bytes(b"")
-    assert compiled_kernels(cache) == 2
-    assert compiled_kernels(apply(None, tmp_path, dict(env), key=KEY)) == 0
+    assert compiled_kernels(cache) == {"triton:k@HASH", "quack:sha"}
+    assert compiled_kernels(apply(None, tmp_path, dict(env), key=KEY)) == set()
