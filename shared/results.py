@@ -60,8 +60,8 @@ def encode_record(
         # composition) writes its own object, so a record never points at another's bytes.
         digest = compute_checksum(blob)
         key = f"{bulk_object_key(queue, result.job_id)}.{digest.split(':')[-1][:16]}"
-        checksum = store.put_with_retry(key, blob)
-        meta["object"] = {"key": key, "checksum": checksum, "bytes": len(blob)}
+        store.put_with_retry(key, blob, checksum=digest)
+        meta["object"] = {"key": key, "checksum": digest, "bytes": len(blob)}
     else:
         for name, arr in arrays.items():
             fields[f"a:{name}"] = encode_array(arr)

@@ -412,6 +412,7 @@ class ObjectStore:
         base_delay: float = 0.05,
         max_delay: float = 5.0,
         on_retry: Callable[[int, TransientStorageError, float], None] | None = None,
+        checksum: str | None = None,
     ) -> str:
         """Like ``put``, retrying ``TransientStorageError`` with exponential backoff and jitter.
 
@@ -419,14 +420,19 @@ class ObjectStore:
         which did land on the server is simply overwritten with identical bytes.
         ``on_retry(attempt, error, delay)`` is called before each sleep (for logging/metrics).
         Other errors propagate at once; after ``attempts`` failures the last transient error is
-        re-raised as ``TransientStorageError``.
+        re-raised as ``TransientStorageError``. ``checksum``: ``compute_checksum(data)`` where
+        the caller has computed it already (a content-addressed key), so the bytes are hashed
+        once.
         """
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
         _validate_key(key)
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"data for {key!r} must be bytes, got {type(data).__name__}")
-        checksum = compute_checksum(data)
+        if checksum is None:
+            checksum = compute_checksum(data)
+        else:
+            _parse_checksum(checksum)  # malformed: said here, not when a reader verifies
         last: TransientStorageError | None = None
         for attempt in range(1, attempts + 1):
             try:

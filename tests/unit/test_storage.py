@@ -344,6 +344,20 @@ def test_put_with_retry_succeeds_first_time_without_sleeping(store: ObjectStore)
     assert calls == []
 
 
+def test_put_with_retry_takes_the_callers_checksum(store: ObjectStore) -> None:
+    """A caller that hashed the bytes already (a content-addressed key) passes the checksum: it
+    comes back as the object's, and the stored bytes verify against it; a malformed one is
+    refused before anything is written."""
+    data = os.urandom(5000)
+    given_checksum = compute_checksum(data)
+    assert store.put_with_retry("k", data, checksum=given_checksum) == given_checksum
+    assert store.get("k", checksum=given_checksum) == data
+    with pytest.raises(StorageError, match="malformed checksum 'md5:00'"):
+        store.put_with_retry("k2", data, checksum="md5:00")
+    with pytest.raises(ObjectNotFound):
+        store.get("k2")
+
+
 def test_put_with_retry_validates_attempts(store: ObjectStore) -> None:
     with pytest.raises(ValueError, match="attempts must be >= 1"):
         store.put_with_retry("k", b"v", attempts=0)
