@@ -75,11 +75,13 @@ GPU_WHEELS := "megatron-core>=0.16,<0.17" "redis>=8.1,<9" "pydantic>=2.7,<3" pyd
 	"orjson>=3.9,<4" "pyyaml>=6,<7" "safetensors>=0.4,<1" "prometheus-client>=0.20,<1" \
 	"pytest>=8,<10" pluggy iniconfig "pytest-timeout>=2.3,<3" "pytest-xdist>=3.6,<4" execnet packaging
 
+# Wheels for the GPU host's interpreter and platform, whatever this machine's are
+GPU_TARGET := --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	--abi $(GPU_ABI) $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17 manylinux2014,\
+	--platform $(p)_x86_64) --platform any
+
 gpu-wheels:
-	$(PYTHON) -m pip download -q -d .whl --no-deps --only-binary=:all: \
-	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-	  --platform manylinux2014_x86_64 --platform any $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q -d .whl $(GPU_TARGET) $(GPU_WHEELS)
 
 # The `hopper` extra for such a host, in what one call to the lent GPU machine carries (64
 # MiB): quack-kernels and the CuTe DSL's Python packages as wheels into .whl/hopper/, and the
@@ -91,13 +93,9 @@ HOPPER_WHEELS := "quack-kernels==0.6.5" "nvidia-cutlass-dsl==4.8.1" \
 
 gpu-wheels-hopper:
 	mkdir -p .whl/hopper/libs
-	$(PYTHON) -m pip download -q -d .whl/hopper --no-deps --only-binary=:all: \
-	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-	  --platform manylinux_2_17_x86_64 --platform any $(HOPPER_WHEELS)
-	$(PYTHON) -m pip download -q -d .whl/hopper/libs --no-deps --only-binary=:all: \
-	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
-	  --platform manylinux_2_28_x86_64 "nvidia-cutlass-dsl-libs-cu12==4.8.1"
+	$(PYTHON) -m pip download -q -d .whl/hopper $(GPU_TARGET) $(HOPPER_WHEELS)
+	$(PYTHON) -m pip download -q -d .whl/hopper/libs $(GPU_TARGET) \
+	  "nvidia-cutlass-dsl-libs-cu12==4.8.1"
 	$(PYTHON) -m zipfile -e .whl/hopper/libs/nvidia_cutlass_dsl_libs_cu12-*.whl .whl/hopper/libs/x
 	tar -C .whl/hopper/libs/x -cf - nvidia_cutlass_dsl \
 	  | xz -T1 --x86 --lzma2=preset=9e,dict=192MiB > .whl/hopper/libs.tar.xz
@@ -115,10 +113,7 @@ REST_WHEELS := megatron_core redis pydantic pydantic_core pydantic_settings pyth
 
 gpu-carry-hopper: gpu-wheels gpu-wheels-hopper
 	rm -rf .whl/hopper/rest && mkdir -p .whl/hopper/rest/site-packages
-	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: \
-	  --python-version $(GPU_PYTHON) --implementation cp --abi $(GPU_ABI) \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+	$(PYTHON) -m pip install -q --no-index --no-compile $(GPU_TARGET) \
 	  --target .whl/hopper/rest/site-packages .whl/hopper/*.whl \
 	  $(foreach w,$(REST_WHEELS),$(firstword $(wildcard .whl/$(w)-*.whl)))
 	cd .whl/hopper/rest/site-packages && rm -rf nvidia_cutlass_dsl/dsl_packages/iket \
