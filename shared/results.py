@@ -9,6 +9,12 @@ A record is a Redis hash at `keys.result_key(queue, job_id)`:
 
 Small results stay inline (one round trip to read); larger ones go to object storage as one
 safetensors blob whose checksum is recorded here and verified on read.
+
+Token ids (`RESULT_TABLE`'s "int" arrays) are int64 in a `TeacherResult` and stored as int32
+where every value fits (any vocabulary, and the head's sentinel id 2**31 - 1, does): with top-k
+64 and 8 samples that is 588 bytes a scored token instead of 876, a third less to hash, write,
+keep and read back. Both widths are self-described (safetensors, the codec's header), so a
+reader widens what it finds to int64 and reads records written either way.
 """
 
 from __future__ import annotations
@@ -21,10 +27,20 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from shared.codec import decode_array, encode_array
-from shared.messages import RESULT_ARRAYS, TeacherResult
+from shared.messages import RESULT_ARRAYS, RESULT_TABLE, TeacherResult
 from shared.storage import ObjectStore, bulk_object_key, compute_checksum
 
 RECORD_VERSION = "1"
+_ID_ARRAYS = frozenset(a.name for a in RESULT_TABLE if a.kind == "int")
+_INT32 = np.iinfo(np.int32)
+
+
+def _stored(name: str, arr: np.ndarray) -> np.ndarray:
+    """`arr` as the record stores it: token ids as int32 where they fit, else as they are."""
+    narrow = name in _ID_ARRAYS and arr.dtype == np.int64 and arr.size > 0
+    if narrow and _INT32.min <= arr.min() and arr.max() <= _INT32.max:
+        return arr.astype(np.int32)
+    return arr
 
 
 def encode_record(
@@ -39,7 +55,7 @@ def encode_record(
     The upload happens before the record exists, so a reader never sees a pointer to a
     missing object; re-uploading the same job writes the same key with the same bytes.
     """
-    arrays = result.arrays()
+    arrays = {name: _stored(name, arr) for name, arr in result.arrays().items()}
     meta: dict[str, Any] = {
         "job_id": result.job_id,
         "model_version": result.model_version,
@@ -107,5 +123,6 @@ def decode_record(
         }
     for name in RESULT_ARRAYS:
         if name in arrays:
-            setattr(result, name, arrays[name])
+            arr = arrays[name]
+            setattr(result, name, arr.astype(np.int64) if name in _ID_ARRAYS else arr)
     return result

@@ -12,11 +12,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from safetensors.numpy import load as st_load
 
 from consumer.forward.batch import BatchTensors
 from consumer.group.batching import OPTION_COLUMNS, batch_from_jobs
 from producer import datasets as D
 from producer.cli_datasets import submit_dataset_cmd
+from shared.codec import decode_array, encode_array
 from shared.errors import InvalidJob
 from shared.messages import (
     OPTION_FIELDS,
@@ -33,6 +35,7 @@ from shared.messages import (
     parse_request,
 )
 from shared.results import decode_record, encode_record
+from shared.storage import ObjectStore
 
 LIMITS = Limits(max_input_tokens=16, max_label_width=4, max_top_k=8, max_sample_n=4, vocab_size=100)
 
@@ -123,6 +126,49 @@ def test_every_result_array_is_stored_and_exported() -> None:
         want = getattr(res, name)
         got = np.array(table.column(name)[0].as_py(), dtype=want.dtype)
         np.testing.assert_array_equal(got, want)
+
+
+def _read_back(record: dict, store: ObjectStore | None) -> TeacherResult:
+    return decode_record(
+        {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()},
+        store=store,
+    )
+
+
+@pytest.mark.parametrize("where", ["inline", "object"])
+def test_token_ids_are_stored_narrow_and_read_back_as_int64(where: str, tmp_path) -> None:
+    """Token ids that fit int32 (every vocabulary, the head's sentinel 2**31 - 1) are stored
+    as int32, inline and in object storage, and read back as the int64 they were; ids that do
+    not fit stay int64; and a record stored with int64 ids (as before) reads the same."""
+    store = ObjectStore.from_url(f"file://{tmp_path}") if where == "object" else None
+    inline_max = 1 << 20 if where == "inline" else 0
+    res = _full_result("ids:0", rows=50)
+    res.topk_token_ids[0, 0] = (1 << 31) - 1  # the sentinel id: fits
+    record = encode_record(res, queue="q", store=store, inline_max_bytes=inline_max)
+    if where == "inline":
+        stored = {k: decode_array(v) for k, v in record.items() if k.startswith("a:")}
+    else:
+        obj = json.loads(record["meta"])["object"]
+        stored = {f"a:{k}": v for k, v in st_load(store.get(obj["key"])).items()}  # type: ignore[union-attr]
+    for spec in RESULT_TABLE:
+        want = np.int32 if spec.kind == "int" else np.float32
+        assert stored[f"a:{spec.name}"].dtype == want, spec.name
+    back = _read_back(record, store)
+    for name in RESULT_ARRAYS:
+        assert getattr(back, name).dtype == getattr(res, name).dtype, name
+        np.testing.assert_array_equal(getattr(back, name), getattr(res, name))
+
+    res.sampled_token_ids[1, 1] = 1 << 31  # one id past int32: that array stays int64
+    wide = encode_record(res, queue="q2", store=store, inline_max_bytes=inline_max)
+    np.testing.assert_array_equal(_read_back(wide, store).sampled_token_ids, res.sampled_token_ids)
+    if where == "inline":
+        assert decode_array(wide["a:sampled_token_ids"]).dtype == np.int64
+        assert decode_array(wide["a:topk_token_ids"]).dtype == np.int32
+        old = dict(wide, **{f"a:{n}": encode_array(getattr(res, n)) for n in RESULT_ARRAYS})
+        old_back = _read_back(old, store)  # every array as written before: int64 ids
+        for name in RESULT_ARRAYS:
+            assert getattr(old_back, name).dtype == getattr(res, name).dtype, name
+            np.testing.assert_array_equal(getattr(old_back, name), getattr(res, name))
 
 
 def test_tiny_temperature_is_refused_at_submit() -> None:
