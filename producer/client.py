@@ -19,7 +19,7 @@ from shared.log import get_logger
 from shared.memory import MemoryInfo, read_memory
 from shared.messages import Limits, TeacherRequest, TeacherResult, encode_job
 from shared.redis_client import await_replicas, connect, execute_scripted
-from shared.results import decode_record
+from shared.results import decode_records
 from shared.settings import Settings, load_settings
 from shared.storage import ObjectStore
 from shared.streams import Entry, Fields, StreamReply, Streams
@@ -189,7 +189,7 @@ class TeacherClient:
         records = pipe.execute()
         if strict:
             self.check_known([j for j, rec in zip(job_ids, records, strict=True) if not rec])
-        out = [decode_record(rec, store=self.store) if rec else None for rec in records]
+        out = decode_records(records, store=self.store)  # objects fetched side by side
         if self.settings.queue.delete_result_on_read:
             # Read once, then gone from Redis (queue.delete_result_on_read): the record's
             # memory is freed now instead of after result_ttl_s. Bulk objects stay in storage.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -34,8 +35,8 @@ from shared.messages import (
     inverse_temperature,
     parse_request,
 )
-from shared.results import decode_record, encode_record
-from shared.storage import ObjectStore
+from shared.results import decode_record, decode_records, encode_record, record_object
+from shared.storage import ChecksumMismatch, ObjectStore
 
 LIMITS = Limits(max_input_tokens=16, max_label_width=4, max_top_k=8, max_sample_n=4, vocab_size=100)
 
@@ -128,11 +129,13 @@ def test_every_result_array_is_stored_and_exported() -> None:
         np.testing.assert_array_equal(got, want)
 
 
+def _fields(record: dict) -> dict[bytes, bytes]:
+    """A record as Redis hands it back (HGETALL)."""
+    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()}
+
+
 def _read_back(record: dict, store: ObjectStore | None) -> TeacherResult:
-    return decode_record(
-        {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()},
-        store=store,
-    )
+    return decode_record(_fields(record), store=store)
 
 
 @pytest.mark.parametrize("where", ["inline", "object"])
@@ -169,6 +172,32 @@ def test_token_ids_are_stored_narrow_and_read_back_as_int64(where: str, tmp_path
         for name in RESULT_ARRAYS:
             assert getattr(old_back, name).dtype == getattr(res, name).dtype, name
             np.testing.assert_array_equal(getattr(old_back, name), getattr(res, name))
+
+
+def test_records_read_side_by_side_come_back_in_order(tmp_path) -> None:
+    """`decode_records` (what `TeacherClient.results` reads with) returns each record as
+    `decode_record` would, in order, None kept, inline and object records mixed; where objects
+    are broken, the first broken one in order raises."""
+    store = ObjectStore.from_url(f"file://{tmp_path}")
+    results = [_full_result(f"r:{i}", rows=40 + i) for i in range(12)]
+    records: list[dict[bytes, bytes] | None] = []
+    for i, res in enumerate(results):
+        inline = 1 << 20 if i % 3 == 0 else 0  # every third inline, the rest objects
+        record = encode_record(res, queue="q", store=store, inline_max_bytes=inline)
+        records.append(_fields(record))
+    records.insert(5, None)  # a job not finished yet
+    back = decode_records(records, store=store)
+    assert back[5] is None and len(back) == len(records)
+    for want, got in zip(results, back[:5] + back[6:], strict=True):
+        assert got is not None and got.job_id == want.job_id
+        for name in RESULT_ARRAYS:
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+
+    broken = [(record_object(r) or {})["key"] for r in (records[8], records[11]) if r]
+    for key in broken:
+        (tmp_path / key).write_bytes(b"not the bytes that were stored")
+    with pytest.raises(ChecksumMismatch, match=re.escape(broken[0].split("/")[-1])):
+        decode_records(records, store=store)
 
 
 def test_tiny_temperature_is_refused_at_submit() -> None:
