@@ -144,5 +144,6 @@ def decode_record(
     for name in RESULT_ARRAYS:
         if name in arrays:
             arr = arrays[name]
-            setattr(result, name, arr.astype(np.int64) if name in _ID_ARRAYS else arr)
+            narrow = name in _ID_ARRAYS and arr.dtype == np.int32  # as `_stored` wrote it
+            setattr(result, name, arr.astype(np.int64) if narrow else arr)
     return result
