@@ -271,6 +271,18 @@ _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _libc.mincore.restype = ctypes.c_int
 
 
+def evict_every_page(files: list[Path]) -> None:
+    """Drop `files` from the page cache until mincore finds none of their pages there (under
+    load the kernel may keep a page the first eviction asked it to drop: ask again)."""
+    from consumer.checkpoints.page_cache import evict
+    from tests.timing import wait_until
+
+    wait_until(
+        lambda: not (evict(files) or any(cached_pages(f, 0, f.stat().st_size) for f in files)),
+        "the eviction to evict",
+    )
+
+
 def page_cache_reclaims() -> int:
     """Page-cache pages the kernel has taken back so far, machine-wide (/proc/vmstat's
     pgsteal_file): under memory pressure it takes pages a test has just read in, too."""

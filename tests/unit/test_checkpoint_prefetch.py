@@ -15,9 +15,8 @@ import redis
 
 from consumer.__main__ import prefetch_path
 from consumer.checkpoints import page_cache, prefetch
-from consumer.checkpoints.page_cache import evict
 from shared import weights
-from tests.helpers import cached_pages, unreclaimed
+from tests.helpers import cached_pages, evict_every_page, unreclaimed
 from tests.timing import wait_until
 
 MIB = 1 << 20
@@ -44,20 +43,11 @@ def _pages(path: Path) -> int:
     return -(-path.stat().st_size // mmap.PAGESIZE)
 
 
-def _evict(files: list[Path]) -> None:
-    """Out of the page cache, every page (under load the kernel may keep a page the first
-    eviction asked it to drop: ask again)."""
-    wait_until(
-        lambda: not (evict(files) or any(cached_pages(f, 0, f.stat().st_size) for f in files)),
-        "the eviction to evict",
-    )
-
-
 def test_every_page_of_the_shards_is_brought_in(checkpoint):
     shards = _shards(checkpoint)
 
     def prefetch_cold() -> list[int]:
-        _evict([*shards, checkpoint / "notes.txt"])
+        evict_every_page([*shards, checkpoint / "notes.txt"])
         ahead = prefetch.start(str(checkpoint), threads=3, begin=False)  # as __main__ does
         assert ahead is not None and ahead.files == shards and not ahead.done
         assert ahead.bytes_read == 0
@@ -81,7 +71,7 @@ def test_the_libraries_come_first_and_count_apart(checkpoint, tmp_path):
     shards = _shards(checkpoint)
 
     def prefetch_cold() -> list[int]:
-        _evict([library, *shards])
+        evict_every_page([library, *shards])
         ahead = prefetch.start(str(checkpoint), first=[library, tmp_path / "gone.so"], threads=1)
         assert ahead is not None
         wait_until(lambda: ahead.done, "the prefetch to finish")

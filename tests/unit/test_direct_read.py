@@ -17,7 +17,7 @@ from consumer.checkpoints.hf import hf_shard_readers, load_hf_weights
 from consumer.checkpoints.page_cache import cached_share, evict
 from consumer.checkpoints.parallel_read import Span, read_plan
 from consumer.forward.model import build_model
-from tests.helpers import cached_pages, unreclaimed
+from tests.helpers import evict_every_page, unreclaimed
 from tests.timing import wait_until
 from tests.unit.test_parallel_read import MIB, PLAN_CASES, _groups, _layout, plan_case
 
@@ -117,11 +117,7 @@ def test_the_page_cache_share_is_read_off_the_cache(tmp_path):
     spans = [(data, 0, 4 * MIB)]
 
     def read_cold(size: int) -> float | None:
-        # a page or two of a file just written can outlast the first eviction: ask again (and
-        # ask mincore, which reads nothing: a probe of cached_share's that misses reads its page)
-        wait_until(
-            lambda: not (evict([data]) or cached_pages(data, 0, 4 * MIB)), "the eviction to evict"
-        )
+        evict_every_page([data])  # (cached_share's probes would read what they miss)
         fd = os.open(data, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past what is read
         os.pread(fd, size, 0)

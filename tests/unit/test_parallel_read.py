@@ -22,7 +22,7 @@ from consumer.checkpoints.page_cache import evict
 from consumer.checkpoints.parallel_read import PlanView, ReadAhead, Span, read_plan
 from consumer.parallel import ParallelLayout
 from tests.fp8_reference import write_fp8_pair
-from tests.helpers import cached_pages, unreclaimed
+from tests.helpers import cached_pages, evict_every_page, unreclaimed
 from tests.timing import wait_until
 
 MOE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
@@ -191,11 +191,7 @@ def test_every_planned_page_is_brought_in(data_file, how):
     total = 4 * MIB + MIB // 3
 
     def read_ahead_cold() -> list[int]:
-        # under load the kernel may keep a page the first eviction asked it to drop: ask again
-        wait_until(
-            lambda: not (evict([data_file]) or cached_pages(data_file, 0, 10 * MIB)),
-            "the eviction to evict",
-        )
+        evict_every_page([data_file])
         with (
             open(data_file, "rb") as f,
             mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped,

@@ -104,6 +104,15 @@ def _full_result(job_id: str, rows: int = 3) -> TeacherResult:
     return res
 
 
+def _fields(record: dict) -> dict[bytes, bytes]:
+    """A record as Redis hands it back (HGETALL)."""
+    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()}
+
+
+def _read_back(record: dict, store: ObjectStore | None) -> TeacherResult:
+    return decode_record(_fields(record), store=store)
+
+
 def test_every_result_array_is_stored_and_exported() -> None:
     """Every name of RESULT_TABLE is a TeacherResult field, round-trips through the Redis
     record, and is a column of the Parquet export holding the same values."""
@@ -113,10 +122,7 @@ def test_every_result_array_is_stored_and_exported() -> None:
     assert set(res.arrays()) == set(RESULT_ARRAYS)
 
     record = encode_record(res, queue="q", store=None, inline_max_bytes=1 << 20)
-    back = decode_record(
-        {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()},
-        store=None,
-    )
+    back = _read_back(record, None)
     for name in RESULT_ARRAYS:
         np.testing.assert_array_equal(getattr(back, name), getattr(res, name))
 
@@ -127,15 +133,6 @@ def test_every_result_array_is_stored_and_exported() -> None:
         want = getattr(res, name)
         got = np.array(table.column(name)[0].as_py(), dtype=want.dtype)
         np.testing.assert_array_equal(got, want)
-
-
-def _fields(record: dict) -> dict[bytes, bytes]:
-    """A record as Redis hands it back (HGETALL)."""
-    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()}
-
-
-def _read_back(record: dict, store: ObjectStore | None) -> TeacherResult:
-    return decode_record(_fields(record), store=store)
 
 
 @pytest.mark.parametrize("where", ["inline", "object"])
