@@ -91,6 +91,11 @@ def batch(rng: np.random.Generator, args: argparse.Namespace, tag: str) -> list[
     return out
 
 
+def as_read(record: dict) -> dict[bytes, bytes]:
+    """An encoded record as Redis hands it back (HGETALL)."""
+    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in record.items()}
+
+
 def round_trip(jobs: list[TeacherResult], store: ObjectStore, inline_max: int) -> tuple:
     """Seconds to encode every record, seconds to decode them all, bytes stored."""
     started = time.perf_counter()
@@ -99,8 +104,7 @@ def round_trip(jobs: list[TeacherResult], store: ObjectStore, inline_max: int) -
         for r in jobs
     ]
     encoded = time.perf_counter()
-    fields = [{k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in rec.items()}
-              for rec in records]  # fmt: skip
+    fields = [as_read(rec) for rec in records]
     back = [results.decode_record(f, store=store) for f in fields]
     decoded = time.perf_counter()
     for want, got in zip(jobs, back, strict=True):  # the same values, int64 ids either way
@@ -121,11 +125,8 @@ def read_side_by_side(store: ObjectStore, args: argparse.Namespace) -> None:
         jobs += batch(rng, args, f"read{len(jobs)}")
     jobs = jobs[: args.read_jobs]
     records = [
-        {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in rec.items()}
-        for rec in (
-            results.encode_record(j, queue="bench-read", store=store, inline_max_bytes=0)
-            for j in jobs
-        )
+        as_read(results.encode_record(j, queue="bench-read", store=store, inline_max_bytes=0))
+        for j in jobs
     ]
     ways = {
         "one by one": lambda: [results.decode_record(f, store=store) for f in records],
