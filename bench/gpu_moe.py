@@ -661,7 +661,7 @@ def gemm_only(args: argparse.Namespace, device: torch.device) -> dict:
         paths = {"hf": theirs, "unfused": lambda: ours("unfused")}
         if device.type == "cuda":
             paths |= _cuda_paths(args, ours, bool(quantized))
-            if quack_gemm.available(device, dtype):  # quack's GEMMs and the combine kernel
+            if quack_gemm.available(device, dtype, h):  # quack's GEMMs and the combine kernel
                 paths["quack"] = functools.partial(
                     moe_gemm.routed_combined, x, rows, picks, weights.reshape(-1), counts,
                     fc1, fc2, k,

@@ -455,10 +455,14 @@ def load_hf_checkpoint(
             spec = validate_hf_checkpoint(ckpt, tp=layout.tp, ep=layout.ep)
         else:
             spec = spec_from_hf_config(ckpt.config)
+        # experts held in FP8 run our GEMMs: quack's import is not started for them (a layer
+        # whose experts stay dequantized, `attach_fp8_experts`, imports it at its first forward)
+        in_fp8 = fp8_plan(ckpt, torch.device(device), fp8) is not None
         with phase("build"):
             model = build_model(
-                spec, layout, params_dtype=params_dtype, device=device, init_weights=False
-            )
+                spec, layout, params_dtype=params_dtype, device=device, init_weights=False,
+                fp8_experts=in_fp8,
+            )  # fmt: skip
         load_hf_weights(model, spec, ckpt, layout, fp8=fp8)
     model.teacherq_spec = spec
     return model, spec

@@ -216,6 +216,7 @@ def build_model(
     device: torch.device | str = "cpu",
     seed: int = TINY_SEED,
     init_weights: bool = True,
+    fp8_experts: bool = False,
 ) -> TeacherGPTModel:
     """Build this rank's shard of the model in eval mode with gradients off.
 
@@ -228,6 +229,11 @@ def build_model(
     the embedding on the first stage and the final norm and output weight on the last; random
     weights are then this stage's part of the whole model drawn as at pp = 1, so a seed gives
     one teacher whatever the layout.
+
+    A bf16 MoE teacher on an sm90 device starts quack-kernels' import on a thread
+    (`quack_gemm.preload`): its experts' GEMMs run there. `fp8_experts` says the load that
+    follows holds the experts in FP8 (an FP8 checkpoint under FP8 compute: `hf.fp8_plan`),
+    whose GEMMs are ours, so nothing is imported for them.
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -251,7 +257,7 @@ def build_model(
     )
     if spec.is_moe:  # dense and sparse layers differ: checkpoint keys per layer, not stacked
         config.hetereogenous_dist_checkpoint = True  # (megatron's spelling)
-        if params_dtype == torch.bfloat16:
+        if params_dtype == torch.bfloat16 and not fp8_experts:
             from consumer.forward import quack_gemm
 
             quack_gemm.preload(torch.device(device))  # on CUDA: imported while weights load

@@ -169,7 +169,7 @@ def routed_combined(
     hidden, ffn = fc2.shape[1], fc2.shape[2]
     if not (x.is_cuda and fc1.dtype == fc2.dtype == x.dtype and quack_gemm.takes_rows(hidden, ffn)):
         return None
-    if not quack_gemm.available(x.device, x.dtype) or kernels.load(x.device) is None:
+    if not quack_gemm.available(x.device, x.dtype, hidden) or kernels.load(x.device) is None:
         return None
     from consumer.kernels import expert_gemm, moe_combine
 

@@ -17,14 +17,15 @@ So `gate_up` gathers the rows in one pass first (where rows are wide enough for 
 `consumer/kernels/moe_combine.py` then sums each token's rows with their weights, in the pass
 the scatter path spends on its sum over k. `moe_gemm.routed_combined` puts them together.
 
-Used on sm90 for bf16 experts, after a check against torch on the device (`available`);
+Used on sm90 for bf16 experts, after a check against torch on the device at the experts' width
+(`available`);
 FP8 experts and other devices keep the Triton kernels. The tiles are pinned: quack's
 autotuner keys on the exact row count, which changes with every batch.
 
 quack compiles a GEMM for symbolic sizes: one kernel per tile, dtype and layout serves every
-shape. A consumer's precompile workers compile the few the probe and the experts reach
-(`precompile_plan`, `precompile`) into QUACK_CACHE_DIR while the weights load, so that its
-warm-up only loads them.
+shape. A consumer's precompile workers compile the two the experts reach (`precompile_plan`,
+`precompile`) into QUACK_CACHE_DIR while the weights load, so that its warm-up only loads them;
+the probe runs the same two.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ WIDE_N = 6144
 # two traded places between machines (1.76 against 1.56, then 1.55 against 1.62), and ours
 # keeps it (docs/benchmarks.md)
 UP_MIN_HIDDEN = 4096
-# The probe's down GEMM writes this many columns (`_probe`)
-PROBE_N = 256
 
 
 # `consumer.expert_gemms`: "triton" turns this path off for the process (`allow`)
@@ -82,14 +81,16 @@ def installed() -> bool:
 
 
 @functools.cache
-def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the experts' GEMMs run through quack on `device` for experts in `dtype`: bf16,
-    an sm90 device, quack installed, and both GEMMs' result on a small case (an expert with no
-    rows among them) matching a float32 loop. Checked once per device and dtype."""
+def available(device: torch.device, dtype: torch.dtype, width: int) -> bool:
+    """Whether the experts' GEMMs run through quack on `device` for experts in `dtype` whose
+    down projection writes `width` columns (the model's hidden size): bf16, an sm90 device,
+    quack installed, and both GEMMs' result on a small case (an expert with no rows among
+    them, down at `width`, so on the tile that serves it: `down_config`) matching a float32
+    loop. Checked once per device, dtype and width."""
     if device.type != "cuda" or dtype != torch.bfloat16 or not may_serve(device):
         return False
     try:
-        return _probe(device, dtype)
+        return _probe(device, dtype, width)
     except Exception as exc:  # noqa: BLE001 - another library's build: fall back, never fail
         log.debug("quack_gemm_unavailable", error=f"{type(exc).__name__}: {exc}")
         return False
@@ -199,13 +200,10 @@ def down(h: torch.Tensor, fc2: torch.Tensor, starts: torch.Tensor) -> torch.Tens
 
 
 def precompile_plan(hidden: int) -> list[dict[str, Any]]:
-    """The compiles that `available`'s probe and experts of `hidden` columns reach, each as
-    `precompile`'s keyword arguments: gate/up (one kernel for every width), down at the
-    probe's width, and down at `hidden` where that takes another tile (`down_config`)."""
-    plan: list[dict[str, Any]] = [{"gemm": "gate_up"}, {"gemm": "down", "n": PROBE_N}]
-    if (hidden >= WIDE_N) != (PROBE_N >= WIDE_N):
-        plan.append({"gemm": "down", "n": hidden})
-    return plan
+    """The compiles that experts of `hidden` columns reach, and `available`'s probe at their
+    width with them, each as `precompile`'s keyword arguments: gate/up (one kernel for every
+    width) and down into `hidden` columns (on `down_config`'s tile for that width)."""
+    return [{"gemm": "gate_up"}, {"gemm": "down", "n": hidden}]
 
 
 class _Recorded:
@@ -276,13 +274,13 @@ def precompile(gemm: str, dtype: torch.dtype, n: int = 0) -> None:
         cached(*args, **kwargs)  # quack's jit_cache: compiles and writes the .o, or loads it
 
 
-def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+def _probe(device: torch.device, dtype: torch.dtype, width: int) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
     counts = torch.tensor([40, 0, 24], device=device)
     x = torch.randn(32, 256, device=device, dtype=dtype, generator=gen)
     tokens = torch.randint(0, 32, (64,), device=device, generator=gen)
     fc1 = (torch.randn(3, 256, 256, device=device, generator=gen) / 16).to(dtype)
-    fc2 = (torch.randn(3, PROBE_N, 128, device=device, generator=gen) / 16).to(dtype)
+    fc2 = (torch.randn(3, width, 128, device=device, generator=gen) / 16).to(dtype)
     starts = offsets(counts)
     h = gate_up(x, tokens, fc1, starts)
     got = down(h, fc2, starts).float()

@@ -29,7 +29,7 @@ from tests.gpu.test_expert_gemm import SHAPES  # noqa: E402  (the Triton kernels
 
 CUDA = torch.device("cuda")
 
-if not quack_gemm.available(CUDA, torch.bfloat16):
+if not quack_gemm.available(CUDA, torch.bfloat16, 256):
     pytest.skip("needs quack-kernels on an sm90 device", allow_module_level=True)
 
 
@@ -132,7 +132,7 @@ from quack.gemm import _compile_gemm
 from quack.gemm_runtime.host import _compile_gemm_epi
 from consumer.forward import quack_gemm
 cuda, hidden = torch.device("cuda"), int(sys.argv[1])
-assert quack_gemm.available(cuda, torch.bfloat16)  # the probe's two GEMMs
+assert quack_gemm.available(cuda, torch.bfloat16, hidden)  # the probe's two GEMMs
 x = torch.randn(24, hidden, device=cuda).bfloat16()
 fc1 = (torch.randn(4, 2 * 128, hidden, device=cuda) / 64).bfloat16()
 fc2 = (torch.randn(4, hidden, 128, device=cuda) / 16).bfloat16()
@@ -145,24 +145,26 @@ print("compiled", _compile_gemm.cache_info().misses + _compile_gemm_epi.cache_in
 """
 
 
-def test_precompiled_gemms_are_the_ones_the_probe_and_experts_load(tmp_path):
-    """A precompile worker's compiles for DeepSeek-V3's width (meta tensors, stopped where
-    quack would compile; `quack_gemm.precompile`) are what `available`'s probe and the
-    experts' GEMMs then load, in another process: they compile nothing more and add no
-    kernel file. The worker leaves the device without a CUDA context."""
+@pytest.mark.parametrize("hidden", [7168, 4096])
+def test_precompiled_gemms_are_the_ones_the_probe_and_experts_load(tmp_path, hidden):
+    """A precompile worker's compiles for DeepSeek-V3's width, and for GLM-4.5-Air's (down on
+    quack's default tile there), on meta tensors, stopped where quack would compile
+    (`quack_gemm.precompile`), are what `available`'s probe and the experts' GEMMs then load,
+    in another process: they compile nothing more and add no kernel file. The worker leaves
+    the device without a CUDA context."""
     env = {**os.environ, "QUACK_CACHE_DIR": str(tmp_path)}
     for name in ("QUACK_ARCH", "CUTE_DSL_ARCH"):
         env.pop(name, None)
 
     def run(script: str) -> str:
-        done = subprocess.run([sys.executable, "-c", script, "7168"], env=env, cwd=ROOT,
+        done = subprocess.run([sys.executable, "-c", script, str(hidden)], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.split()[-1]
 
     context = run(PRECOMPILE)
     made = sorted(tmp_path.rglob("*.o"))
-    assert len(made) == len(quack_gemm.precompile_plan(7168)) == 3
+    assert len(made) == len(quack_gemm.precompile_plan(hidden)) == 2
     assert run(SERVE) == "0"
     assert sorted(tmp_path.rglob("*.o")) == made
     assert context == "0", "the precompile worker created a CUDA context"

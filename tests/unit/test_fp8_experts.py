@@ -289,6 +289,23 @@ def test_fused_expert_layout_loads_the_same_fp8_experts(checkpoints, layout, tmp
             assert torch.equal(moe.expert_scale(which), want[name].expert_scale(which))
 
 
+def test_fp8_experts_start_no_quack_import(checkpoints, layout, fp8_auto, monkeypatch):
+    """quack-kernels serves bf16 experts only: a bf16 MoE build asks for its import ahead
+    (`quack_gemm.preload`, which on this CPU starts nothing), a load that holds the experts in
+    FP8 does not; the dequantized load of the same checkpoint does."""
+    from consumer.checkpoints import load_hf_checkpoint
+    from consumer.forward import quack_gemm
+
+    asked: list[str] = []
+    monkeypatch.setattr(quack_gemm, "preload", lambda device: asked.append(str(device)))
+    path = checkpoints["deepseek_v3"]
+    model, _ = load_hf_checkpoint(path, layout, params_dtype=torch.bfloat16, fp8="auto")
+    assert all(moe.expert_scale("fc1") is not None for moe in _moes(model).values())
+    assert asked == []
+    load_hf_checkpoint(path, layout, params_dtype=torch.bfloat16, fp8="dequantize")
+    assert asked == ["cpu"]
+
+
 def test_ffn_slice_not_whole_blocks_stays_dequantized(hf_checkpoint, tmp_path, layout, fp8_auto):
     """Experts 64 wide cannot be held in 128 x 128 FP8 blocks: they load dequantized, exactly
     as under `model.fp8=dequantize`, with one log line saying why (the linears still run

@@ -464,7 +464,7 @@ def test_quack_path_is_not_taken_on_the_cpu():
     fc1, fc2 = torch.randn(2, 16, 16, dtype=torch.bfloat16), torch.randn(2, 16, 8).bfloat16()
     picks = torch.arange(8)
     counts = torch.tensor([4, 4])
-    assert not quack_gemm.available(torch.device("cpu"), torch.bfloat16)
+    assert not quack_gemm.available(torch.device("cpu"), torch.bfloat16, 16)
     assert quack_gemm.preload(torch.device("cpu")) is None  # nor is quack imported for it
     got = moe_gemm.routed_combined(x, picks // 2, picks, torch.ones(8), counts, fc1, fc2, 2)
     assert got is None

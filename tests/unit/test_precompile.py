@@ -469,9 +469,9 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
         kernels = {v.kernel for v in variants}
         served = quack and not fp8
         assert ("moe_combine" in kernels) == served, (fp8, kernels)
-        # quack's own GEMMs: gate/up, and down at the probe's tile (hidden 128 takes it)
+        # quack's own GEMMs: gate/up, and down into the experts' 128 columns
         gemms = [dict(v.params) for v in variants if v.kernel == "quack_gemm"]
-        want = [{"gemm": "gate_up", "dtype": bf16}, {"gemm": "down", "n": 256, "dtype": bf16}]
+        want = [{"gemm": "gate_up", "dtype": bf16}, {"gemm": "down", "n": 128, "dtype": bf16}]
         assert gemms == (want if served else []), (fp8, gemms)
         [ours] = [dict(v.params) for v in variants if v.kernel == "expert_gemm"]
         assert ours.get("gemms", "both") == ("gate_up" if served else "both")
@@ -502,7 +502,8 @@ def test_moe_plan_covers_the_combine_launch_where_quack_serves(
 
 def test_quack_at_deepseek_width_leaves_our_expert_gemms_out() -> None:
     """At DeepSeek-V3's width quack serves gate/up too: the plan holds none of our expert
-    GEMMs, three of quack's (down at two tiles); FP8 experts keep ours and nothing of quack's."""
+    GEMMs, two of quack's (down at DeepSeek-V3's tile only: the start-up probe runs at the
+    experts' width); FP8 experts keep ours and nothing of quack's."""
     spec = replace(
         TINY, family="qwen3_moe", hidden_size=7168, num_experts=8, moe_top_k=2,
         moe_ffn_hidden_size=256,
@@ -511,21 +512,22 @@ def test_quack_at_deepseek_width_leaves_our_expert_gemms_out() -> None:
     variants = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=bf16, fp8=False,
                                quack=True)  # fmt: skip
     experts = [v.kernel for v in variants if v.kernel in ("expert_gemm", "quack_gemm")]
-    assert experts == ["quack_gemm"] * 3
+    assert experts == ["quack_gemm"] * 2
     fp8 = precompile.plan(spec, tp=1, tp_rank=0, batches=[], dtype=bf16, fp8=True, quack=True)
     assert [v.kernel for v in fp8 if v.kernel in ("expert_gemm", "quack_gemm")] == ["expert_gemm"]
 
 
 def test_quack_gemms_planned_per_tile_and_skipped_off_sm90() -> None:
-    """quack compiles a GEMM for symbolic sizes, so the plan holds one compile per tile: down
-    at a width of DeepSeek-V3's (7168) takes another tile than the probe's; at GLM-4.5-Air's
-    (4096) it does not. Without an sm90 device (here: none) a worker compiles nothing (quack
-    is not even imported: it is not installed on this machine)."""
+    """quack compiles a GEMM for symbolic sizes, so the plan holds one compile per GEMM: down
+    at the experts' own width, which is also where the start-up probe runs it (on the tile
+    that width takes: DeepSeek-V3's 7168 another than GLM-4.5-Air's 4096). Without an sm90
+    device (here: none) a worker compiles nothing (quack is not even imported: it is not
+    installed on this machine)."""
     from consumer.forward import quack_gemm
 
-    wide = quack_gemm.precompile_plan(7168)
-    assert wide == [{"gemm": "gate_up"}, {"gemm": "down", "n": 256}, {"gemm": "down", "n": 7168}]
-    assert quack_gemm.precompile_plan(4096) == wide[:2]
+    for hidden in (7168, 4096):
+        want = [{"gemm": "gate_up"}, {"gemm": "down", "n": hidden}]
+        assert quack_gemm.precompile_plan(hidden) == want
     variant = precompile.Variant("quack_gemm", (("gemm", "down"), ("n", 7168),
                                                 ("dtype", torch.bfloat16)))  # fmt: skip
     assert precompile.compile_variant(variant) is None

@@ -102,7 +102,7 @@ def test_expert_gemms_triton_turns_quack_off_for_the_process(sm90_with_quack):
     quack_gemm.allow(False)
     assert not quack_gemm.may_serve()
     assert quack_gemm.preload(torch.device("cuda", 0)) is None
-    assert not quack_gemm.available(torch.device("cuda", 0), torch.bfloat16)
+    assert not quack_gemm.available(torch.device("cuda", 0), torch.bfloat16, 7168)
     quack_gemm.allow(True)
     assert quack_gemm.may_serve()
 
