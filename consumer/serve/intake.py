@@ -25,6 +25,11 @@ from shared.tracing import record
 
 log = structlog.get_logger("teacherq.consumer")
 
+# A read that held nothing to compute but jobs left for a newer model generation pauses this
+# long before the next: the requeued entries come straight back in the next read, and until
+# the update lands this replica would otherwise spin on them.
+NEWER_PAUSE_S = 0.1
+
 
 class Intake:
     """Decides, entry by entry, what happens to claimed work before it reaches the device."""
@@ -71,6 +76,7 @@ class Intake:
         """The jobs to compute among `entries`; every other entry is settled here. Safe to call
         again with the same entries (after a Redis outage)."""
         jobs: list[Job] = []
+        left_for_newer = 0
         for eid, fields in entries:
             entry_id = eid.decode()
             count = deliveries.get(eid, 1)
@@ -99,12 +105,20 @@ class Intake:
                 continue
             if (job.request.min_model_generation or 0) > self.loaded.generation:
                 self._leave_for_newer(job)
+                left_for_newer += 1
                 continue
             self._claimed(job, read0=read0, read1=read1, deliveries=count)
             jobs.append(job)
         for eid, _ in entries:
             self._read_times.pop(eid, None)
-        return self.skip_finished(jobs)
+        todo = self.skip_finished(jobs)
+        if left_for_newer and not todo:
+            self._pause()  # once a read, not once a job
+        return todo
+
+    def _pause(self) -> None:
+        """Wait before the next read: this one held only jobs for a newer generation."""
+        time.sleep(NEWER_PAUSE_S)
 
     def _finished_or_storing(self, job: Job) -> bool:
         """A job with a result record, or whose result this consumer is storing, is never
@@ -180,4 +194,3 @@ class Intake:
             wants=job.request.min_model_generation,
             serving=self.loaded.generation,
         )
-        time.sleep(0.1)  # don't spin on a job no live replica can take yet

@@ -26,7 +26,7 @@ from consumer.serve.replica import Counters, LoadedModel
 from consumer.serve.stop import StopFlag
 from producer.client import TeacherClient
 from shared import keys
-from shared.messages import Limits
+from shared.messages import Limits, TeacherRequest
 from shared.settings import Settings
 from shared.streams import Entry, Streams
 from tests.helpers import job_set
@@ -165,6 +165,33 @@ def test_intake_admits_valid_jobs_and_dead_letters_the_rest(deps: Deps, r: redis
     deps.writer.flush()
     assert sorted(j.job_id for j in jobs) == ["job-0-000", "job-0-001"]
     assert r.xlen(keys.dead_stream(deps.settings.queue.name)) == 1
+
+
+def test_jobs_for_a_newer_generation_go_back_with_one_pause_a_read(
+    deps: Deps, r: redis.Redis
+) -> None:
+    """Jobs that want a newer model generation than the loaded one go back on the stream as
+    fresh entries; a job of the same read that the loaded model can compute is admitted with
+    no pause, and a read holding only jobs for a newer generation pauses once, however many
+    it holds (the pause was once a job: a read of 64 held the serving loop 6.4 s)."""
+    later = [TeacherRequest(input_ids=[1, 2, 3], job_id=f"later-{i}", min_model_generation=1)
+             for i in range(3)]  # fmt: skip
+    now = TeacherRequest(input_ids=[4, 5, 6], job_id="now")
+    TeacherClient(deps.settings).submit([later[0], now, *later[1:]])
+    intake = deps.intake()
+    pauses: list[None] = []
+    intake._pause = lambda: pauses.append(None)  # type: ignore[method-assign]
+    jobs = intake.admit(deps.claim(4), deliveries={}, claimed_at=time.time())
+    assert [j.job_id for j in jobs] == ["now"] and pauses == []
+    pending = r.xpending(deps.streams.jobs, deps.streams.group)["pending"]
+    assert pending == 1  # the three left for newer are acknowledged, requeued as new entries
+    back = deps.claim(3)
+    assert intake.admit(back, deliveries={}, claimed_at=time.time()) == []
+    assert pauses == [None]
+    deps.loaded.generation = 1  # the update landed: the same jobs, back again, are computed
+    jobs = intake.admit(deps.claim(3), deliveries={}, claimed_at=time.time())
+    assert sorted(j.job_id for j in jobs) == ["later-0", "later-1", "later-2"]
+    assert pauses == [None]
 
 
 def test_batch_runner_scores_and_stores(deps: Deps) -> None:
