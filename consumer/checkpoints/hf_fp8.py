@@ -45,11 +45,18 @@ def fp8_compute_problem(mode: str, device: torch.device | str, fmt: Fp8Format) -
     from consumer.forward import fp8_gemm
 
     device = torch.device(device)
+    return format_problem(mode, fmt) or fp8_gemm.scaled_mm_unsupported(device, 4 * fp8_gemm.GROUP)
+
+
+def format_problem(mode: str, fmt: Fp8Format) -> str | None:
+    """`fp8_compute_problem`'s part that the setting and the format decide, device aside."""
+    from consumer.forward import fp8_gemm
+
     if mode == "dequantize":
         return "model.fp8=dequantize"
     if (fmt.block_rows, fmt.block_cols) != (fp8_gemm.GROUP, fp8_gemm.GROUP):
         return f"weight_block_size [{fmt.block_rows}, {fmt.block_cols}]: FP8 GEMMs take 128x128"
-    return fp8_gemm.scaled_mm_unsupported(device, 4 * fp8_gemm.GROUP)
+    return None
 
 
 def quantization_problems(config: dict) -> list[str]:

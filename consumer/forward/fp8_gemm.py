@@ -99,14 +99,23 @@ def scaled_mm_unsupported(device: torch.device | str, k: int) -> str | None:
     return _device_problem(device.index if device.index is not None else 0)
 
 
-@functools.cache
-def _device_problem(index: int) -> str | None:
+def platform_problem(index: int = 0) -> str | None:
+    """What `scaled_mm_unsupported` finds against CUDA device `index` before its probe: the
+    device's capability and the CUDA version, asked without a launch (what the precompile
+    workers, which create no CUDA context, can know)."""
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"sm{major}{minor}: block-scaled FP8 GEMMs need sm90+"
     cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 9):
         return f"CUDA {torch.version.cuda}: cuBLAS block-scaled FP8 needs 12.9+"
+    return None
+
+
+@functools.cache
+def _device_problem(index: int) -> str | None:
+    if problem := platform_problem(index):
+        return problem
     device = torch.device("cuda", index)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(256, 512, generator=gen, device=device)

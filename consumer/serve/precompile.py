@@ -75,6 +75,7 @@ class Job:
     workers: int
     ep: int = 1  # expert-parallel ways of a MoE model's replica
     quack: bool = True  # consumer.expert_gemms: quack-kernels may serve the experts (auto)
+    fp8: str = "auto"  # model.fp8: an FP8 checkpoint computes in FP8 (auto) or is dequantized
 
     def to_json(self) -> str:
         """The job as one JSON argument."""
@@ -359,6 +360,7 @@ class Precompile:
             workers=workers,
             ep=settings.parallel.ep,
             quack=c.expert_gemms == "auto",
+            fp8=settings.model.fp8,
         )
         plan = job.digest()  # reads the model's config.json: once
         if cache is not None and cache.holds(plan):
@@ -471,7 +473,11 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     quack_gemm.allow(job.quack)
     # No set_device: it would create a CUDA context (memory on the GPU the consumer is
     # loading onto); compiling needs the device's capability only, the same for all of a host.
-    spec, fp8 = model_shape(job.model_path)
+    spec, fp8 = model_shape(job.model_path, job.fp8)
+    if fp8:  # the load dequantizes where this device or CUDA has no block-scaled FP8 GEMM
+        from consumer.forward.fp8_gemm import platform_problem
+
+        fp8 = platform_problem() is None
     dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
     variants = warmup_plan(
         spec,
@@ -509,19 +515,22 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     return 1 if failures else 0
 
 
-def model_shape(path: str | None) -> tuple[Any, bool]:
-    """(ModelSpec, block-scaled FP8 or not) of the checkpoint at `path` (None: the tiny
-    preset), from its config.json alone."""
+def model_shape(path: str | None, fp8: str = "auto") -> tuple[Any, bool]:
+    """(ModelSpec, FP8 compute or not) of the checkpoint at `path` (None: the tiny preset),
+    from its config.json alone: FP8 where it is block-quantized in a format FP8 GEMMs take
+    and `fp8` (the `model.fp8` setting) does not dequantize it (the device's part of the
+    question, `fp8_gemm.platform_problem`, is the caller's)."""
 
     from consumer.forward.spec import TINY
 
     if path is None:
         return TINY, False
+    from consumer.checkpoints import hf_fp8
     from consumer.checkpoints.hf_config import spec_from_hf_config
 
     config = json.loads((Path(path) / "config.json").read_text())
-    quant = config.get("quantization_config") or {}
-    return spec_from_hf_config(config), quant.get("quant_method") == "fp8"
+    fmt = hf_fp8.fp8_format(config)
+    return spec_from_hf_config(config), fmt is not None and not hf_fp8.format_problem(fp8, fmt)
 
 
 if __name__ == "__main__":

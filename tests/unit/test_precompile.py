@@ -532,3 +532,59 @@ def test_quack_gemms_planned_per_tile_and_skipped_off_sm90() -> None:
                                                 ("dtype", torch.bfloat16)))  # fmt: skip
     assert precompile.compile_variant(variant) is None
     assert "quack" not in sys.modules
+
+
+@pytest.fixture
+def fp8_configs(hf_checkpoint, tmp_path) -> dict[str, str]:
+    """config.json folders of one small model: bf16, and block-quantized FP8 in blocks of 128
+    (what FP8 GEMMs take) and of 64 (dequantized at load)."""
+    source = hf_checkpoint("qwen2", "plan-fp8-src", seed=3)
+    config = json.loads((source / "config.json").read_text())
+    out = {"bf16": str(source)}
+    for block in (128, 64):
+        folder = tmp_path / f"fp8-{block}"
+        folder.mkdir()
+        quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": [block, block]}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        out[f"fp8-{block}"] = str(folder)
+    return out
+
+
+def test_the_plan_is_fp8_only_where_the_load_computes_in_fp8(fp8_configs) -> None:
+    """The workers plan FP8 kernels (the activations' quantization, FP8 expert GEMMs) for a
+    checkpoint the load keeps in FP8, and the model dtype's kernels where it dequantizes:
+    under `model.fp8=dequantize`, or blocks FP8 GEMMs do not take. The setting is part of
+    the plan's digest (a sealed cache holds one plan's kernels)."""
+    assert precompile.model_shape(fp8_configs["bf16"])[1] is False
+    assert precompile.model_shape(fp8_configs["fp8-128"])[1] is True
+    assert precompile.model_shape(fp8_configs["fp8-128"], "dequantize")[1] is False
+    assert precompile.model_shape(fp8_configs["fp8-64"])[1] is False
+    job = precompile.Job(
+        model_path=fp8_configs["fp8-128"], tp=1, tp_rank=0, dtype="bfloat16", max_top_k=4,
+        max_sample_n=2, token_budget=256, full=True, workers=1,
+    )  # fmt: skip
+    assert job.fp8 == "auto"
+    assert replace(job, fp8="dequantize").digest() != job.digest()
+
+
+@pytest.mark.parametrize(("capability", "cuda", "fp8"), [
+    ((9, 0), "13.0", True), ((8, 0), "13.0", False), ((9, 0), "12.4", False),
+])  # fmt: skip
+def test_a_worker_plans_fp8_only_where_the_device_runs_it(
+    fp8_configs, monkeypatch, capability, cuda, fp8
+) -> None:
+    """An FP8 checkpoint loads dequantized where the device (before sm90) or CUDA (before
+    12.9) has no block-scaled FP8 GEMM: a worker asks both without a CUDA context
+    (`fp8_gemm.platform_problem`) and plans accordingly."""
+    seen: list[dict] = []
+    monkeypatch.setattr(precompile, "warmup_plan", lambda *a, **kw: seen.append(kw) or [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    job = precompile.Job(
+        model_path=fp8_configs["fp8-128"], tp=1, tp_rank=0, dtype="bfloat16", max_top_k=4,
+        max_sample_n=2, token_budget=256, full=True, workers=1, quack=False,
+    )  # fmt: skip
+    assert precompile._worker(job, 0) == 0
+    assert [kw["fp8"] for kw in seen] == [fp8]
