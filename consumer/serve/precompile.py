@@ -53,6 +53,10 @@ log = structlog.get_logger("teacherq.consumer")
 # compile: a fresh 1.5B start on an H200 host (16 cores) was ready in 23.7 s with 4 workers,
 # 19.0 s with 8 and 21.8 s with 15 (one start each, docs/benchmarks.md, run 6).
 MAX_WORKERS = 8
+# A variant's compile time, relative to a Triton kernel's, where it is far from 1: quack's
+# GEMMs (CuTe DSL) compiled for 19-24 s in a worker on an H100 host where our Triton kernels
+# took at most 8 s a worker for all of theirs (docs/benchmarks.md, cold-start run 17)
+COST = {"quack_gemm": 8}
 SUMMARY = "teacherq-precompile-summary "
 """What starts a worker's last stderr line: then, as JSON, its seconds importing and building
 the plan (`import_s`), compiling (`compile_s`), its variant count and its slowest variant."""
@@ -455,8 +459,24 @@ class Precompile:
             shutil.rmtree(self.claims, ignore_errors=True)
 
 
+def share(variants: list[Variant], workers: int, index: int) -> list[Variant]:
+    """Worker `index`'s share of `variants` among `workers`, in plan order: the costliest
+    first (`COST`; the plan's order among equals), each to the worker with the least cost so
+    far (the lowest index among equals). Every worker computes the same split. A slow compile
+    so gets a worker of its own where there are enough of them, instead of waiting behind
+    the Triton kernels that would have shared its worker (the start waits for the last)."""
+    load = [0] * workers
+    owner: dict[int, int] = {}
+    by_cost = sorted(range(len(variants)), key=lambda i: -COST.get(variants[i].kernel, 1))
+    for i in by_cost:
+        worker = min(range(workers), key=lambda w: (load[w], w))
+        owner[i] = worker
+        load[worker] += COST.get(variants[i].kernel, 1)
+    return [v for i, v in enumerate(variants) if owner[i] == index]
+
+
 def _worker(job: Job, index: int, claims: str | None = None) -> int:
-    """One worker: rebuild the plan, compile every `workers`-th variant from `index`, and
+    """One worker: rebuild the plan, compile its `share` of the variants, and
     build the launchers of those no other worker sharing `claims` has claimed. Its last
     stderr line is a `SUMMARY` of where its seconds went."""
     began = time.monotonic()
@@ -493,7 +513,7 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         quack=quack_gemm.may_serve(),
     )
     failures = 0
-    mine = variants[index :: job.workers]
+    mine = share(variants, job.workers, index)
     ready = time.monotonic()
     slowest = ("", 0.0)
     for variant in mine:

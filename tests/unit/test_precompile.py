@@ -588,3 +588,32 @@ def test_a_worker_plans_fp8_only_where_the_device_runs_it(
     )  # fmt: skip
     assert precompile._worker(job, 0) == 0
     assert [kw["fp8"] for kw in seen] == [fp8]
+
+
+def test_workers_share_the_plan_with_quack_s_compiles_on_workers_of_their_own() -> None:
+    """Every variant goes to exactly one worker. Triton's kernels alone go round the workers
+    in plan order (each the next variant: as before quack's compiles were costed), and
+    quack's GEMMs, about eight of Triton's compiles each, get a worker each where the plan
+    leaves the others enough: for DeepSeek-V3's experts over 8 workers, the two quack workers
+    compile nothing else."""
+    spec = replace(
+        TINY, family="qwen3_moe", hidden_size=7168, num_experts=8, moe_top_k=2,
+        moe_ffn_hidden_size=256,
+    )  # fmt: skip
+    batches = warmup.plan(max_top_k=8, max_sample_n=4, vocab_size=spec.vocab_size,
+                          max_input_tokens=spec.max_input_tokens, token_budget=4096, full=True,
+                          graphs=False)  # fmt: skip
+    variants = precompile.plan(spec, tp=1, tp_rank=0, batches=batches, dtype=torch.bfloat16,
+                               fp8=False, quack=True)  # fmt: skip
+    assert sum(v.kernel == "quack_gemm" for v in variants) == 2 and len(variants) > 8
+    shares = [precompile.share(variants, 8, i) for i in range(8)]
+    assert sorted(map(repr, sum(shares, []))) == sorted(map(repr, variants))  # each once
+    for mine in shares:
+        assert mine == [v for v in variants if v in mine]  # in plan order
+    alone = [mine for mine in shares if any(v.kernel == "quack_gemm" for v in mine)]
+    assert [[v.kernel for v in mine] for mine in alone] == [["quack_gemm"], ["quack_gemm"]]
+    triton = [v for v in variants if v.kernel != "quack_gemm"]
+    assert [precompile.share(triton, 3, i) for i in range(3)] == [triton[i::3] for i in range(3)]
+    # fewer workers than the costs want: the quack workers take the rest last
+    two = [precompile.share(variants, 2, i) for i in range(2)]
+    assert sorted(sum(v.kernel == "quack_gemm" for v in mine) for mine in two) == [1, 1]
