@@ -58,6 +58,8 @@ def main() -> int:
     remote = cache_store.remote(settings) if os.environ.get("LOCAL_RANK", "0") == "0" else None
     if remote is not None:
         cache = cache_store.pull(cache, remote)
+    if settings.consumer.compile_cache_seed is not None:  # kernels baked into the image
+        compile_cache.seed(cache, settings.consumer.compile_cache_seed)
     # The warm-up's kernels compile in other processes while this one imports and loads.
     precompile = Precompile.start(settings, os.environ, cache)
     # `kill -USR1 PID` writes every thread's stack to stderr: what a stuck consumer is doing.

@@ -35,34 +35,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
 
-def stand_in_driver(capability: int = 90) -> None:
-    """Make Triton's NVIDIA backend the active driver with an sm_`capability` target,
-    without touching CUDA (compiling needs the target only)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.driver import CudaDriver
-    from triton.runtime import driver
-
-    class StandIn(CudaDriver):
-        def __init__(self) -> None:  # CudaDriver's own loads libcuda
-            self.backend = "cuda"
-
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", capability, 32)
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def get_current_stream(self, device: Any = None) -> int:
-            return 0
-
-        def get_active_torch_device(self) -> Any:
-            import torch
-
-            return torch.device("cpu")
-
-    driver.set_active(StandIn())
-
-
 def ptxas_info(ptx: str) -> dict[str, int]:
     """Registers per thread and spilled bytes of one kernel's PTX, from `ptxas -v`."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -171,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", action="append", help="only this kernel module (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
     args = p.parse_args(argv)
+
+    from consumer.kernels.launch import stand_in_driver
 
     stand_in_driver()
     with tempfile.TemporaryDirectory() as cache:

@@ -367,6 +367,13 @@ class ConsumerSettings(_Section):
     stores it again. For machines that share no volume (docs/operations.md). Unset: local
     only."""
 
+    compile_cache_seed: Path | None = None
+    """A folder of kernels compiled ahead of time, where the image was built and without a
+    GPU (`python -m consumer.serve.bake DIR`, for sm90: H100, H200), that fills a compile
+    cache not sealed yet, so that a fresh machine's first start compiles nothing. Each file
+    is copied after its checksum is checked; a seed compiled for another Triton, quack-kernels
+    or kernel source is not used (docs/operations.md). Unset: none."""
+
     expert_gemms: Literal["auto", "triton"] = "auto"
     """How a mixture-of-experts teacher's bf16 routed experts multiply on an sm90 GPU (H100,
     H200). auto: through quack-kernels' GEMMs where that package is installed (the `hopper`

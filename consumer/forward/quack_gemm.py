@@ -226,7 +226,7 @@ class _Recorded:
         return True
 
 
-def precompile(gemm: str, dtype: torch.dtype, n: int = 0) -> None:
+def precompile(gemm: str, dtype: torch.dtype, n: int = 0, *, anywhere: bool = False) -> None:
     """Compile `gemm` ("gate_up", or "down" into `n` columns) into quack's cache
     (QUACK_CACHE_DIR) as the probe's and the experts' calls would reach it, launching nothing
     and creating no CUDA context: what the precompile workers run, each in a fresh process
@@ -237,8 +237,11 @@ def precompile(gemm: str, dtype: torch.dtype, n: int = 0) -> None:
     its cache pointed at an empty folder, so that it stops at the compile whether or not the
     kernel is cached already. Each recorded compile then runs through quack's cached compile
     function (found by module and name, as quack's own pool workers find it) against the
-    real cache: it compiles and writes the kernel's `.o`, or loads the one there."""
-    if dtype != torch.bfloat16 or not may_serve():
+    real cache: it compiles and writes the kernel's `.o`, or loads the one there.
+
+    `anywhere`: compile for sm90 whatever this machine's device, where quack is installed and
+    allowed (a bake on a machine without a GPU, consumer/serve/bake.py)."""
+    if dtype != torch.bfloat16 or not (may_serve() or (anywhere and _allowed and installed())):
         return
     # quack reads the architecture from QUACK_ARCH where it cannot ask a meta tensor's device,
     # and the CuTe DSL compiles for CUTE_DSL_ARCH: both the device's, set before the import

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 _claims: list[Path] = []  # where the precompile workers of one start claim launchers
+_no_launchers: list[bool] = []  # set by `without_launchers`: compiles only
 
 
 class Shaped:
@@ -69,11 +70,50 @@ def build_launchers(compiled: Any) -> None:
     consumer spent 1.4 s of its warm-up there (docs/benchmarks.md, cold-start run 12). Later
     Triton releases build no module, and this costs nothing. Under `share_launchers`, only
     the launchers this process is the first to claim."""
+    if _no_launchers:
+        return
     from triton.runtime import driver
 
     for kernel in compiled if isinstance(compiled, list) else [compiled]:
         if kernel is not None and first_to_claim(kernel):  # (None: a test's stand-in)
             driver.active.launcher_cls(kernel.src, kernel.metadata)
+
+
+def without_launchers() -> None:
+    """From now on compile-only calls build no launcher: where no CUDA driver is loaded (a
+    bake on a machine without a GPU, consumer/serve/bake.py), the C module cannot link. The
+    consumer's precompile workers build them at its start."""
+    _no_launchers[:] = [True]
+
+
+def stand_in_driver(capability: int = 90) -> None:
+    """Make Triton's NVIDIA backend the active driver with an sm_`capability` target, without
+    touching CUDA: compiling needs the target only. A kernel compiled so has the cache key a
+    compile on such a GPU computes (Triton's key holds the target's architecture, not the
+    device)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime import driver
+
+    class StandIn(CudaDriver):
+        def __init__(self) -> None:  # CudaDriver's own loads libcuda
+            self.backend = "cuda"
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", capability, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: Any = None) -> int:
+            return 0
+
+        def get_active_torch_device(self) -> Any:
+            import torch
+
+            return torch.device("cpu")
+
+    driver.set_active(StandIn())
 
 
 def share_launchers(claims: Path) -> None:

@@ -24,6 +24,12 @@ aside (`<key>.corrupt-<time>`), one warning line names it, and the consumer star
 empty one, which it seals after its warm-up.
 Files written after the seal (by another rank or consumer) are not in the manifest; Triton
 and quack write each file atomically, and the next seal lists them.
+
+A seed (`consumer.compile_cache_seed`: kernels compiled where the image was built, without a
+GPU, by consumer/serve/bake.py) fills a subdirectory that is not sealed yet (`seed`): each of
+its files that the subdirectory lacks is copied in after its checksum is checked. A seed
+compiled for another Triton, quack-kernels, CuTe DSL or kernel source is not used (one
+warning line says which).
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ CACHE_VARIABLES = {
     "QUACK_CACHE_DIR": "quack",
 }
 MANIFEST = "manifest.json"
+SEED = "seed.json"  # a seed's record: what compiled it, and a checksum per file
+# What a seed's kernels depend on (`seed_key`): Triton's compiled kernels on Triton's release
+# (its bundled ptxas) and the GPU's architecture (sm90, the bake's target), not on the GPU
+# model, torch or the CUDA build, which the rest of `environment_key` names
+SEED_KEY = ("format", "triton", "kernels", "quack", "cutlass_dsl")
 FORMAT = 1  # of the manifest and the layout; part of the key
 PRUNE_AFTER_S = 30 * 86400  # other environments' subdirectories, unused this long
 KERNEL_SOURCES = ("consumer/kernels", "consumer/head_common.py")  # what the kernels compile
@@ -175,9 +186,23 @@ def problems(path: Path, key: dict[str, str]) -> list[str]:
         f = path / rel
         if not f.is_file():
             found.append(f"{rel}: missing")
-        elif f.stat().st_size != entry.get("size") or _sha256(f) != entry.get("sha256"):
+        elif not _matches(f, entry):
             found.append(f"{rel}: checksum differs")
     return found
+
+
+def _entry(path: Path) -> dict[str, object]:
+    """A manifest's record of one file: its size and sha256."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _matches(path: Path, entry: dict) -> bool:
+    """Whether the file at `path` has the size and sha256 a manifest `entry` records."""
+    return (
+        path.is_file()
+        and path.stat().st_size == entry.get("size")
+        and _sha256(path) == entry.get("sha256")
+    )
 
 
 @dataclass
@@ -217,9 +242,7 @@ class CompileCache:
         plans = self.plans | ({plan} if plan else set())
         if self.state == "sealed" and set(files) == self.sealed_files and plans == self.plans:
             return len(files)  # nothing new since the seal this start checked
-        entries = {
-            rel: {"size": f.stat().st_size, "sha256": _sha256(f)} for rel, f in files.items()
-        }
+        entries = {rel: _entry(f) for rel, f in files.items()}
         body = {"key": self.key, "sealed_at": time.time(), "files": entries, "plans": sorted(plans)}
         tmp = self.path / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
@@ -272,6 +295,63 @@ def open_cache(root: Path, key: dict[str, str]) -> CompileCache:
     _prune(root, path, time.time())
     variables = {var: str(path / sub) for var, sub in CACHE_VARIABLES.items()}
     return CompileCache(variables, path, key, state, listed, plans)
+
+
+def seed_key(key: dict[str, str]) -> dict[str, str]:
+    """The part of environment key `key` a seed must have been compiled under."""
+    return {name: key.get(name, "none") for name in SEED_KEY}
+
+
+def write_seed_record(folder: Path, key: dict[str, str], **extra: object) -> int:
+    """Record the seed at `folder` (its `triton/` and `quack/` as compiled under environment
+    key `key`): `seed_key(key)` and a checksum per file, in SEED. Returns the file count."""
+    entries = {f.relative_to(folder).as_posix(): _entry(f) for f in _files(folder)}
+    body = {"key": seed_key(key), "files": entries, **extra}
+    (folder / SEED).write_text(json.dumps(body, indent=1, sort_keys=True))
+    return len(entries)
+
+
+def seed(cache: CompileCache, source: Path) -> int:
+    """Copy the seed at `source` into `cache` where it is not sealed (a fresh machine's first
+    start, or a rebuilt one): every file the cache lacks whose checksum matches the seed's
+    record, each under a temporary name first, Triton's group files (`__grp__*`, which name
+    a kernel's other files) after the others. Returns the files copied; a seed that is
+    missing, unreadable or compiled for another environment copies nothing, with one warning
+    line."""
+    if cache.path is None or cache.state == "sealed":
+        return 0
+    try:
+        record = json.loads((source / SEED).read_text())
+        files, their_key = dict(record["files"]), dict(record["key"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("compile_cache.seed_unusable", seed=str(source),
+                    error=f"{type(exc).__name__}: {exc}",
+                    setting="TEACHERQ_CONSUMER__COMPILE_CACHE_SEED")  # fmt: skip
+        return 0
+    ours = seed_key(cache.key)
+    if their_key != ours:
+        differ = {k: [their_key.get(k), ours[k]] for k in ours if their_key.get(k) != ours[k]}
+        log.warning("compile_cache.seed_stale", seed=str(source), differs=differ,
+                    note="compiled for another environment: not used")  # fmt: skip
+        return 0
+    copied, bad = 0, []
+    for rel in sorted(files, key=lambda r: (Path(r).name.startswith("__grp__"), r)):
+        src, dst = source / rel, cache.path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or dst.exists():
+            continue
+        if not _matches(src, files[rel]):
+            bad.append(rel)
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.seed")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        copied += 1
+    if bad:
+        log.warning("compile_cache.seed_corrupt", seed=str(source), files=bad[:5],
+                    skipped=len(bad), note="compiled again on this start")  # fmt: skip
+    log.info("compile_cache.seeded", seed=str(source), files=copied)
+    return copied
 
 
 def apply(

@@ -73,12 +73,18 @@ def test_ready_reports_phases_caches_and_every_warmed_output(
     settings, start_consumer, tmp_path
 ) -> None:
     """`consumer.ready` carries seconds per start-up phase; the compile caches are under the
-    setting's directory, in this environment's subdirectory (created, sealed after the
-    warm-up, and named in `consumer.warmed_up`); a full warm-up visits
-    every output combination the queue's limits allow (8 head-pass groups, every class of
-    sample count up to the limit, labels and a temperature other than 1)."""
-    cache = tmp_path / "kernels"
-    s = _with(settings, compile_cache_dir=str(cache), warmup="full")
+    setting's directory, in this environment's subdirectory (created, filled from the
+    `compile_cache_seed` folder, sealed after the warm-up, and named in `consumer.warmed_up`);
+    a full warm-up visits every output combination the queue's limits allow (8 head-pass
+    groups, every class of sample count up to the limit, labels and a temperature other
+    than 1)."""
+    from consumer.serve.compile_cache import environment_key, write_seed_record
+
+    cache, baked = tmp_path / "kernels", tmp_path / "baked"
+    (baked / "triton" / "HASH").mkdir(parents=True)
+    (baked / "triton" / "HASH" / "k.cubin").write_bytes(b"baked")
+    write_seed_record(baked, environment_key())
+    s = _with(settings, compile_cache_dir=str(cache), warmup="full", compile_cache_seed=baked)
     s = s.model_copy(
         update={"queue": s.queue.model_copy(update={"max_top_k": 4, "max_sample_n": 6})}
     )
@@ -101,6 +107,10 @@ def test_ready_reports_phases_caches_and_every_warmed_output(
     }
     assert (keyed / "triton").is_dir() and (keyed / "inductor").is_dir()
     assert (keyed / "manifest.json").is_file()
+    assert (keyed / "triton" / "HASH" / "k.cubin").read_bytes() == b"baked"
+    assert "triton/HASH/k.cubin" in json.loads((keyed / "manifest.json").read_text())["files"]
+    [seeded] = [e for e in events if e["event"] == "compile_cache.seeded"]
+    assert seeded["files"] == 1
     seen = warmed["combinations"]
     for k in ("k0", "k1", "k4"):
         assert any(c.startswith(k + " ") for c in seen), (k, seen)

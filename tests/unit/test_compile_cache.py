@@ -18,6 +18,8 @@ from consumer.serve.compile_cache import (
     environment_key,
     kernels_hash,
     key_name,
+    seed,
+    write_seed_record,
 )
 
 KEY = {"torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200"}
@@ -179,3 +181,65 @@ def test_compiled_kernels_counts_tritons_and_quacks(tmp_path: Path) -> None:
     (quack / "sha.lock").write_bytes(b"")
     assert compiled_kernels(cache) == {"triton:k@HASH", "quack:sha"}
     assert compiled_kernels(apply(None, tmp_path, dict(env), key=KEY)) == set()
+
+
+def _seed(folder: Path, key: dict[str, str]) -> dict[str, bytes]:
+    """A seed as consumer/serve/bake.py leaves one: kernels under triton/ and quack/, and its
+    record. Returns each file's path (relative) and bytes."""
+    files = {
+        "triton/HASH/k.cubin": b"cubin",
+        "triton/HASH/__grp__k.json": b'{"child_paths": {}}',
+        "quack/ab/gemm.o": b"object",
+    }
+    for rel, body in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(body)
+    assert write_seed_record(folder, key) == len(files)
+    return files
+
+
+def test_a_seed_fills_a_cache_not_sealed_yet_file_by_checked_file(tmp_path: Path) -> None:
+    """A fresh machine's cache takes the seed's kernels (each checked against the seed's
+    record); a file the cache has already is left as it is, and a sealed cache takes none."""
+    files = _seed(tmp_path / "seed", KEY)
+    env: dict[str, str] = {}
+    cache = apply(tmp_path / "root", tmp_path, env, key=KEY)
+    assert cache.path is not None
+    (cache.path / "triton" / "HASH").mkdir()
+    (cache.path / "triton/HASH/k.cubin").write_bytes(b"compiled here")
+    with structlog.testing.capture_logs() as logs:
+        assert seed(cache, tmp_path / "seed") == 2
+    assert (cache.path / "triton/HASH/k.cubin").read_bytes() == b"compiled here"
+    for rel in ("triton/HASH/__grp__k.json", "quack/ab/gemm.o"):
+        assert (cache.path / rel).read_bytes() == files[rel]
+    assert [e["event"] for e in logs] == ["compile_cache.seeded"] and logs[0]["files"] == 2
+    assert not list(cache.path.rglob("*.seed"))  # no temporary left behind
+    cache.seal()
+    sealed = apply(tmp_path / "root", tmp_path, {}, key=KEY)
+    assert sealed.state == "sealed" and seed(sealed, tmp_path / "seed") == 0
+
+
+def test_a_stale_or_corrupt_seed_is_not_served(tmp_path: Path) -> None:
+    """A seed compiled under another Triton (or quack, or kernel source) copies nothing, and
+    one warning line names what differs; a seed file whose checksum does not match its
+    record is skipped (compiled again) with one warning line; a folder that is no seed at
+    all, one warning line naming the setting. The torch or GPU model it was baked beside
+    do not matter: Triton's kernels do not depend on them."""
+    _seed(tmp_path / "old", {**KEY, "triton": "3.5.0"})
+    cache = apply(tmp_path / "root", tmp_path, {}, key={**KEY, "gpu": "NVIDIA H100", "torch": "x"})
+    assert cache.path is not None
+    with structlog.testing.capture_logs() as logs:
+        assert seed(cache, tmp_path / "old") == 0
+        assert seed(cache, tmp_path / "nothing-here") == 0
+    assert [e["event"] for e in logs] == ["compile_cache.seed_stale", "compile_cache.seed_unusable"]
+    assert logs[0]["differs"] == {"triton": ["3.5.0", "3.6.0"]}
+    assert "COMPILE_CACHE_SEED" in logs[1]["setting"]
+    assert not any(f.is_file() for f in cache.path.rglob("*"))
+
+    _seed(tmp_path / "seed", KEY)
+    (tmp_path / "seed/quack/ab/gemm.o").write_bytes(b"objecT")  # same size, other bytes
+    with structlog.testing.capture_logs() as logs:
+        assert seed(cache, tmp_path / "seed") == 2
+    [corrupt] = [e for e in logs if e["event"] == "compile_cache.seed_corrupt"]
+    assert corrupt["files"] == ["quack/ab/gemm.o"] and corrupt["log_level"] == "warning"
+    assert not (cache.path / "quack/ab/gemm.o").exists()

@@ -1,0 +1,60 @@
+"""consumer/serve/bake.py: a consumer's kernels compiled for sm90 without a GPU, as a seed for
+its compile cache. What is checked here: the seed holds one compiled kernel per variant of
+the plan and a record of them, and a cache seeded from it is what the same compiles then
+find, writing nothing new (Triton computes the same key for them: the target's architecture,
+not a device, is in it). That an H100 computes that key too is for tests/gpu."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from consumer.serve.compile_cache import SEED, apply, environment_key, seed
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ("--kernel", "swiglu", "--kernel", "rope")  # a few of the tiny plan's: quick
+
+
+def _bake(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "consumer.serve.bake", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def _kernels(folder: Path) -> set[str]:
+    return {str(f.relative_to(folder)) for f in (folder / "triton").rglob("*") if f.is_file()}
+
+
+def test_a_baked_seed_is_what_the_same_compiles_then_find(tmp_path: Path) -> None:
+    out = tmp_path / "seed"
+    done = _bake(out, *KERNELS)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == ""  # a summary line on stderr, nothing on stdout
+    record = json.loads((out / SEED).read_text())
+    assert record["capability"] == 90
+    assert record["key"]["triton"] == metadata.version("triton")
+    names = record["variants"]
+    assert names and {n.split()[0] for n in names} == {"swiglu", "rope"}
+    assert sum(f.endswith(".cubin") for f in record["files"]) == len(names)  # one each, sm90
+    assert f"{len(names)} of {len(names)} variants compiled" in done.stderr
+
+    cache = apply(tmp_path / "root", tmp_path, {}, key=environment_key())
+    assert cache.path is not None and seed(cache, out) == len(record["files"])
+    seeded = _kernels(cache.path)
+    again = _bake(cache.path, *KERNELS)  # the same compiles, into the seeded cache
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _kernels(cache.path) == seeded  # every kernel found there: nothing compiled
+
+
+def test_a_missing_config_is_refused_by_name(tmp_path: Path) -> None:
+    done = _bake(tmp_path / "seed", "--config", str(tmp_path / "no-model"))
+    assert done.returncode == 78
+    assert done.stderr.strip().splitlines() == [
+        f"teacherq bake: --config: no config.json in {tmp_path / 'no-model'}"
+    ]
