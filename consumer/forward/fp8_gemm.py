@@ -106,6 +106,11 @@ def platform_problem(index: int = 0) -> str | None:
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"sm{major}{minor}: block-scaled FP8 GEMMs need sm90+"
+    return cuda_problem()
+
+
+def cuda_problem() -> str | None:
+    """Why torch's CUDA build has no block-scaled FP8 GEMM (None where it has)."""
     cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 9):
         return f"CUDA {torch.version.cuda}: cuBLAS block-scaled FP8 needs 12.9+"

@@ -48,6 +48,10 @@ def bake_plan(settings: Any, config_dir: str | None) -> list[Any]:
     c, q = settings.consumer, settings.queue
     quack_gemm.allow(c.expert_gemms == "auto")
     spec, fp8 = model_shape(config_dir, settings.model.fp8)
+    if fp8:  # an sm90 target has FP8 GEMMs where torch's CUDA build does (as a worker asks)
+        from consumer.forward.fp8_gemm import cuda_problem
+
+        fp8 = cuda_problem() is None
     dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
     variants: dict[Any, None] = {}
     tp = settings.parallel.tp

@@ -58,3 +58,40 @@ def test_a_missing_config_is_refused_by_name(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         f"teacherq bake: --config: no config.json in {tmp_path / 'no-model'}"
     ]
+
+
+def test_the_bake_plans_what_each_rank_s_workers_plan_on_an_sm90_gpu(
+    hf_checkpoint, tmp_path, monkeypatch
+) -> None:
+    """The bake's plan is the union of every tensor-parallel rank's precompile plan (each
+    rank's vocabulary shard is its own head-pass variant), with FP8 kernels for an FP8
+    checkpoint where torch's CUDA build has block-scaled FP8 GEMMs, as a worker on an sm90 GPU
+    decides (`precompile.model_shape`, `fp8_gemm.cuda_problem`)."""
+    import torch
+
+    from consumer.serve import precompile
+    from consumer.serve.bake import bake_plan
+    from shared.settings import Settings
+
+    source = hf_checkpoint("qwen2", "bake-src", seed=5, hidden_size=128, intermediate_size=256)
+    config = json.loads((source / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    settings = Settings()
+    settings = settings.model_copy(update={
+        "parallel": settings.parallel.model_copy(update={"tp": 2}),
+        "model": settings.model.model_copy(update={"dtype": "bfloat16"}),
+    })  # fmt: skip
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    baked = bake_plan(settings, str(tmp_path))
+    spec, fp8 = precompile.model_shape(str(tmp_path))
+    ranks = [precompile.warmup_plan(
+        spec, tp=2, tp_rank=r, ep=1, dtype=torch.bfloat16, fp8=True,
+        max_top_k=settings.queue.max_top_k, max_sample_n=settings.queue.max_sample_n,
+        token_budget=settings.consumer.token_budget, full=True,
+    ) for r in (0, 1)]  # fmt: skip
+    assert fp8 and set(baked) == set(ranks[0]) | set(ranks[1])
+    assert set(ranks[1]) - set(ranks[0]) and "fp8_quant" in {v.kernel for v in baked}
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # dequantized at load there
+    assert "fp8_quant" not in {v.kernel for v in bake_plan(settings, str(tmp_path))}
