@@ -23,6 +23,7 @@ neither torch nor Triton.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import tarfile
@@ -31,7 +32,13 @@ from pathlib import Path
 
 import structlog
 
-from consumer.serve.compile_cache import MANIFEST, CompileCache, open_cache, problems
+from consumer.serve.compile_cache import (
+    MANIFEST,
+    CompileCache,
+    open_cache,
+    problems,
+    relocate_groups,
+)
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, ObjectStore, StorageError
 
@@ -90,6 +97,13 @@ def pull(cache: CompileCache, store: ObjectStore) -> CompileCache:
             note="not served from: compiled on this start and pushed again after the seal",
         )
         return cache
+    # Triton's group files name the storing machine's paths: point them here, and the
+    # manifest at what they now hold, before anything can see them
+    changed = relocate_groups(staging, cache.path)
+    if changed:
+        manifest = json.loads((staging / MANIFEST).read_text())
+        manifest["files"].update(changed)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     shutil.rmtree(cache.path, ignore_errors=True)  # new or rebuilt: nothing sealed in it
     staging.rename(cache.path)
     pulled = open_cache(cache.path.parent, cache.key)

@@ -297,6 +297,44 @@ def open_cache(root: Path, key: dict[str, str]) -> CompileCache:
     return CompileCache(variables, path, key, state, listed, plans)
 
 
+GROUP = "__grp__"  # Triton's group files: a kernel's files, each by its absolute path
+
+
+def relocated(at: Path, data: bytes) -> bytes | None:
+    """Triton's group file `data`, to be found at `at`, with each of the kernel's files named
+    by its path beside it: Triton records absolute paths, and looks for them there, so a
+    cache moved to another directory (pulled, seeded, copied) would miss every kernel. None
+    where every path is beside it already, or `data` is no group Triton wrote."""
+    try:
+        children = json.loads(data)["child_paths"]
+        here = {name: str(at.parent / Path(p).name) for name, p in children.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if here == children:
+        return None
+    return json.dumps({"child_paths": here}).encode()
+
+
+def relocate_groups(folder: Path, final: Path) -> dict[str, dict[str, object]]:
+    """Rewrite the group files of the cache in `folder`, to be moved to `final`, so that they
+    name their kernels' files under `final` (`relocated`). Returns the manifest entries of
+    the files rewritten."""
+    changed: dict[str, dict[str, object]] = {}
+    for group in sorted((folder / CACHE_VARIABLES["TRITON_CACHE_DIR"]).glob(f"*/{GROUP}*")):
+        rel = group.relative_to(folder)
+        new = relocated(final / rel, group.read_bytes())
+        if new is not None:
+            _write_atomically(group, new)
+            changed[rel.as_posix()] = _entry(group)
+    return changed
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def seed_key(key: dict[str, str]) -> dict[str, str]:
     """The part of environment key `key` a seed must have been compiled under."""
     return {name: key.get(name, "none") for name in SEED_KEY}
@@ -315,9 +353,9 @@ def seed(cache: CompileCache, source: Path) -> int:
     """Copy the seed at `source` into `cache` where it is not sealed (a fresh machine's first
     start, or a rebuilt one): every file the cache lacks whose checksum matches the seed's
     record, each under a temporary name first, Triton's group files (`__grp__*`, which name
-    a kernel's other files) after the others. Returns the files copied; a seed that is
-    missing, unreadable or compiled for another environment copies nothing, with one warning
-    line."""
+    a kernel's other files) after the others and naming the copies (`relocated`). Returns
+    the files copied; a seed that is missing, unreadable or compiled for another environment
+    copies nothing, with one warning line."""
     if cache.path is None or cache.state == "sealed":
         return 0
     try:
@@ -335,7 +373,7 @@ def seed(cache: CompileCache, source: Path) -> int:
                     note="compiled for another environment: not used")  # fmt: skip
         return 0
     copied, bad = 0, []
-    for rel in sorted(files, key=lambda r: (Path(r).name.startswith("__grp__"), r)):
+    for rel in sorted(files, key=lambda r: (Path(r).name.startswith(GROUP), r)):
         src, dst = source / rel, cache.path / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or dst.exists():
             continue
@@ -343,9 +381,8 @@ def seed(cache: CompileCache, source: Path) -> int:
             bad.append(rel)
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.seed")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        data = src.read_bytes()
+        _write_atomically(dst, relocated(dst, data) or data)
         copied += 1
     if bad:
         log.warning("compile_cache.seed_corrupt", seed=str(source), files=bad[:5],

@@ -86,6 +86,34 @@ def test_a_fresh_machine_starts_from_the_archive_another_one_stored(
     assert not list((tmp_path / "b").glob("*.incoming-*"))
 
 
+def test_a_pulled_kernel_is_found_where_the_fresh_machine_keeps_its_cache(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Triton finds a kernel through its group file, which names the kernel's files by
+    absolute path: on the machine that stored the archive, its own. Pulled into a cache
+    under another directory, the group names the pulled files (else Triton would miss every
+    kernel and compile again), and the manifest, updated to match, still checks: the next
+    start finds the cache sealed, not corrupt."""
+    store = cache_store.remote(settings)
+    assert store is not None
+    cache, env = _machine(tmp_path / "a")
+    _compile(env, "k.cubin", b"kernel bytes")
+    kernel = Path(env["TRITON_CACHE_DIR"]) / "HASH"
+    (kernel / "__grp__k.json").write_text(
+        json.dumps({"child_paths": {"k.cubin": str(kernel / "k.cubin")}})
+    )
+    cache.seal(PLAN)
+    cache_store.push(cache, store, wait=True)
+
+    fresh, env_b = _machine(tmp_path / "b")
+    assert cache_store.pull(fresh, store).state == "sealed"
+    here = Path(env_b["TRITON_CACHE_DIR"]) / "HASH"
+    group = json.loads((here / "__grp__k.json").read_text())
+    assert group == {"child_paths": {"k.cubin": str(here / "k.cubin")}}
+    again, _ = _machine(tmp_path / "b")
+    assert again.state == "sealed" and again.holds(PLAN)
+
+
 def test_a_tampered_archive_is_refused_with_one_warning(settings: Settings, tmp_path: Path):
     store, first = _stored(settings, tmp_path / "a", {"k.cubin": b"kernel bytes"})
     # the same archive with one kernel's bytes changed after the seal

@@ -18,6 +18,7 @@ from consumer.serve.compile_cache import (
     environment_key,
     kernels_hash,
     key_name,
+    relocated,
     seed,
     write_seed_record,
 )
@@ -243,3 +244,26 @@ def test_a_stale_or_corrupt_seed_is_not_served(tmp_path: Path) -> None:
     [corrupt] = [e for e in logs if e["event"] == "compile_cache.seed_corrupt"]
     assert corrupt["files"] == ["quack/ab/gemm.o"] and corrupt["log_level"] == "warning"
     assert not (cache.path / "quack/ab/gemm.o").exists()
+
+
+def test_seeded_groups_name_the_cache_s_own_files(tmp_path: Path) -> None:
+    """Triton finds a kernel through its group file, which names each of the kernel's files by
+    absolute path: in the seed, the seed's own. Seeded, the group names the copies beside it
+    (the seed may be gone, or elsewhere, when Triton looks); other files are copied as they
+    are."""
+    folder = tmp_path / "seed"
+    kernel = folder / "triton" / "HASH"
+    kernel.mkdir(parents=True)
+    (kernel / "k.cubin").write_bytes(b"cubin")
+    (kernel / "k.json").write_bytes(b"{}")
+    children = {name: str(kernel / name) for name in ("k.cubin", "k.json")}
+    (kernel / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
+    write_seed_record(folder, KEY)
+    cache = apply(tmp_path / "root", tmp_path, {}, key=KEY)
+    assert cache.path is not None and seed(cache, folder) == 3
+    here = cache.path / "triton" / "HASH"
+    group = json.loads((here / "__grp__k.json").read_text())
+    assert group == {"child_paths": {n: str(here / n) for n in ("k.cubin", "k.json")}}
+    assert (here / "k.cubin").read_bytes() == b"cubin"
+    assert relocated(here / "__grp__k.json", (here / "__grp__k.json").read_bytes()) is None
+    assert relocated(here / "x", b"not a group") is None
