@@ -356,7 +356,14 @@ def seed(cache: CompileCache, source: Path) -> int:
     a kernel's other files) after the others and naming the copies (`relocated`). Returns
     the files copied; a seed that is missing, unreadable or compiled for another environment
     copies nothing, with one warning line."""
-    if cache.path is None or cache.state == "sealed":
+    if cache.path is None:  # TRITON_CACHE_DIR and the others came from the environment
+        reason = (
+            "TRITON_CACHE_DIR (or another cache variable) is set in the environment: a seed "
+            "fills only a cache that TEACHERQ_CONSUMER__COMPILE_CACHE_DIR opens"
+        )
+        log.warning("compile_cache.seed_unused", seed=str(source), reason=reason)
+        return 0
+    if cache.state == "sealed":
         return 0
     try:
         record = json.loads((source / SEED).read_text())

@@ -224,8 +224,9 @@ def test_a_stale_or_corrupt_seed_is_not_served(tmp_path: Path) -> None:
     """A seed compiled under another Triton (or quack, or kernel source) copies nothing, and
     one warning line names what differs; a seed file whose checksum does not match its
     record is skipped (compiled again) with one warning line; a folder that is no seed at
-    all, one warning line naming the setting. The torch or GPU model it was baked beside
-    do not matter: Triton's kernels do not depend on them."""
+    all, one warning line naming the setting, and so does a cache whose directories the
+    environment set (not teacherq's to fill). The torch or GPU model it was baked beside do
+    not matter: Triton's kernels do not depend on them."""
     _seed(tmp_path / "old", {**KEY, "triton": "3.5.0"})
     cache = apply(tmp_path / "root", tmp_path, {}, key={**KEY, "gpu": "NVIDIA H100", "torch": "x"})
     assert cache.path is not None
@@ -244,6 +245,12 @@ def test_a_stale_or_corrupt_seed_is_not_served(tmp_path: Path) -> None:
     [corrupt] = [e for e in logs if e["event"] == "compile_cache.seed_corrupt"]
     assert corrupt["files"] == ["quack/ab/gemm.o"] and corrupt["log_level"] == "warning"
     assert not (cache.path / "quack/ab/gemm.o").exists()
+
+    external = apply(None, tmp_path, {"TRITON_CACHE_DIR": str(tmp_path / "theirs")}, key=KEY)
+    with structlog.testing.capture_logs() as logs:
+        assert seed(external, tmp_path / "seed") == 0  # not ours to fill: said once
+    assert [e["event"] for e in logs] == ["compile_cache.seed_unused"]
+    assert not (tmp_path / "theirs" / "HASH").exists()
 
 
 def test_seeded_groups_name_the_cache_s_own_files(tmp_path: Path) -> None:
