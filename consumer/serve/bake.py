@@ -8,7 +8,7 @@ architecture, not on the GPU itself, and its cache key says as much: compiled fo
 target here, a kernel has the key an H100 or H200 computes for it. So where the image is
 built:
 
-    TEACHERQ_MODEL__PATH=/models/teacher python -m consumer.serve.bake /opt/teacherq/kernels
+    TEACHERQ_MODEL__PATH=/models/teacher python -m consumer.serve.bake /var/cache/teacherq/seed
 
 compiles every variant that the precompile workers of a consumer with these settings (the
 TEACHERQ_* environment: the model's config.json, TP and EP sizes, dtype, queue limits, token
@@ -40,10 +40,8 @@ def bake_plan(settings: Any, config_dir: str | None) -> list[Any]:
     """The variants the precompile workers of a consumer with `settings` would compile on an
     sm90 GPU, over every tensor-parallel rank, each once; `config_dir`: a folder with the
     model's config.json (None: the tiny preset)."""
-    import torch
-
     from consumer.forward import quack_gemm
-    from consumer.serve.precompile import model_shape, warmup_plan
+    from consumer.serve.precompile import model_shape, plan_dtype, warmup_plan
 
     c, q = settings.consumer, settings.queue
     quack_gemm.allow(c.expert_gemms == "auto")
@@ -52,7 +50,6 @@ def bake_plan(settings: Any, config_dir: str | None) -> list[Any]:
         from consumer.forward.fp8_gemm import cuda_problem
 
         fp8 = cuda_problem() is None
-    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
     variants: dict[Any, None] = {}
     tp = settings.parallel.tp
     for tp_rank in range(tp):
@@ -61,7 +58,7 @@ def bake_plan(settings: Any, config_dir: str | None) -> list[Any]:
             tp=tp,
             tp_rank=tp_rank,
             ep=settings.parallel.ep,
-            dtype=dtypes.get(settings.model.dtype, torch.float32),
+            dtype=plan_dtype(settings.model.dtype),
             fp8=fp8,
             max_top_k=q.max_top_k,
             max_sample_n=q.max_sample_n,

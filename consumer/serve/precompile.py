@@ -498,13 +498,12 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
         from consumer.forward.fp8_gemm import platform_problem
 
         fp8 = platform_problem() is None
-    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
     variants = warmup_plan(
         spec,
         tp=job.tp,
         tp_rank=job.tp_rank,
         ep=job.ep,
-        dtype=dtypes.get(job.dtype, torch.float32),
+        dtype=plan_dtype(job.dtype),
         fp8=fp8,
         max_top_k=job.max_top_k,
         max_sample_n=job.max_sample_n,
@@ -533,6 +532,14 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     }
     sys.stderr.write(SUMMARY + json.dumps(summary) + "\n")
     return 1 if failures else 0
+
+
+def plan_dtype(setting: str) -> Any:
+    """The parameters' dtype on a CUDA device for `model.dtype` = `setting` (auto: bf16)."""
+    import torch
+
+    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return dtypes.get(setting, torch.float32)
 
 
 def model_shape(path: str | None, fp8: str = "auto") -> tuple[Any, bool]:
