@@ -129,9 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("QUACK_ARCH", str(SM90))
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     began = time.monotonic()
-    variants = [
-        v for v in bake_plan(settings, config) if not args.kernel or v.kernel in args.kernel
-    ]
+    from consumer.checkpoints.validate import CheckpointError
+
+    try:
+        planned = bake_plan(settings, config)
+    except (CheckpointError, ValueError) as exc:  # a config.json the consumer would refuse
+        sys.stderr.write(f"teacherq bake: {config}/config.json: {exc}\n")
+        return CONFIG
+    variants = [v for v in planned if not args.kernel or v.kernel in args.kernel]
     failed = bake(out, variants)
     for line in failed:
         sys.stderr.write(f"teacherq bake: failed: {line}\n")

@@ -52,12 +52,19 @@ def test_a_baked_seed_is_what_the_same_compiles_then_find(tmp_path: Path) -> Non
     assert _kernels(cache.path) == seeded  # every kernel found there: nothing compiled
 
 
-def test_a_missing_config_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_missing_or_refused_config_is_named_in_one_line(tmp_path: Path) -> None:
     done = _bake(tmp_path / "seed", "--config", str(tmp_path / "no-model"))
     assert done.returncode == 78
     assert done.stderr.strip().splitlines() == [
         f"teacherq bake: --config: no config.json in {tmp_path / 'no-model'}"
     ]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-family"}))
+    done = _bake(tmp_path / "seed", "--config", str(bad))
+    [line] = done.stderr.strip().splitlines()
+    assert done.returncode == 78 and line.startswith(f"teacherq bake: {bad}/config.json: ")
+    assert "no-such-family" in line
 
 
 def test_the_bake_plans_what_each_rank_s_workers_plan_on_an_sm90_gpu(
