@@ -395,6 +395,8 @@ def seed(cache: CompileCache, source: Path) -> int:
         log.warning("compile_cache.seed_corrupt", seed=str(source), files=bad[:5],
                     skipped=len(bad), note="compiled again on this start")  # fmt: skip
     log.info("compile_cache.seeded", seed=str(source), files=copied)
+    if copied:
+        cache.opened = "seeded"  # what the start-up lines report (`describe`)
     return copied
 
 

@@ -100,6 +100,7 @@ def test_ready_reports_phases_caches_and_every_warmed_output(
     [warmed] = [e for e in events if e["event"] == "consumer.warmed_up"]
     keyed = Path(warmed["compile_cache"]["path"])  # this environment's sealed subdirectory
     assert keyed.parent == cache and warmed["compile_cache"]["state"] == "sealed"
+    assert warmed["compile_cache"]["opened"] == "seeded"
     assert warmed["compile_caches"] == {
         "TRITON_CACHE_DIR": str(keyed / "triton"),
         "TORCHINDUCTOR_CACHE_DIR": str(keyed / "inductor"),

@@ -214,6 +214,7 @@ def test_a_seed_fills_a_cache_not_sealed_yet_file_by_checked_file(tmp_path: Path
     for rel in ("triton/HASH/__grp__k.json", "quack/ab/gemm.o"):
         assert (cache.path / rel).read_bytes() == files[rel]
     assert [e["event"] for e in logs] == ["compile_cache.seeded"] and logs[0]["files"] == 2
+    assert cache.describe()["opened"] == "seeded" and cache.state == "new"
     assert not list(cache.path.rglob(".*.tmp"))  # no temporary left behind
     cache.seal()
     sealed = apply(tmp_path / "root", tmp_path, {}, key=KEY)
