@@ -370,7 +370,7 @@ class ConsumerSettings(_Section):
     compile_cache_seed: Path | None = None
     """A folder of kernels compiled ahead of time, where the image was built and without a
     GPU (`python -m consumer.serve.bake DIR`, for sm90: H100, H200), that fills a compile
-    cache not sealed yet, so that a fresh machine's first start compiles nothing. Each file
+    cache not sealed yet, so that a fresh machine's first start compiles no kernel. Each file
     is copied after its checksum is checked; a seed compiled for another Triton, quack-kernels
     or kernel source is not used (docs/operations.md). Unset: none."""
 
