@@ -116,3 +116,13 @@ TINY = ModelSpec(
     ffn_hidden_size=128,
     max_position_embeddings=4096,
 )
+
+
+def param_dtype(setting: str, device_type: str):
+    """The parameters' torch dtype for `model.dtype` = `setting` on a `device_type` device:
+    auto is bfloat16 on CUDA, float32 elsewhere."""
+    import torch
+
+    if setting == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[setting]

@@ -40,33 +40,12 @@ def bake_plan(settings: Any, config_dir: str | None) -> list[Any]:
     """The variants the precompile workers of a consumer with `settings` would compile on an
     sm90 GPU, over every tensor-parallel rank, each once; `config_dir`: a folder with the
     model's config.json (None: the tiny preset)."""
-    from consumer.forward import quack_gemm
-    from consumer.serve.precompile import model_shape, plan_dtype, warmup_plan
+    from consumer.serve.precompile import Job, job_plan
 
-    c, q = settings.consumer, settings.queue
-    quack_gemm.allow(c.expert_gemms == "auto")
-    spec, fp8 = model_shape(config_dir, settings.model.fp8)
-    if fp8:  # an sm90 target has FP8 GEMMs where torch's CUDA build does (as a worker asks)
-        from consumer.forward.fp8_gemm import cuda_problem
-
-        fp8 = cuda_problem() is None
     variants: dict[Any, None] = {}
-    tp = settings.parallel.tp
-    for tp_rank in range(tp):
-        plan = warmup_plan(
-            spec,
-            tp=tp,
-            tp_rank=tp_rank,
-            ep=settings.parallel.ep,
-            dtype=plan_dtype(settings.model.dtype),
-            fp8=fp8,
-            max_top_k=q.max_top_k,
-            max_sample_n=q.max_sample_n,
-            token_budget=c.token_budget,
-            full=c.warmup in ("full", "auto"),
-            quack=c.expert_gemms == "auto" and quack_gemm.installed(),
-        )
-        variants |= dict.fromkeys(plan)
+    for tp_rank in range(settings.parallel.tp):
+        job = Job.for_settings(settings, tp_rank=tp_rank, workers=1, model_path=config_dir)
+        variants |= dict.fromkeys(job_plan(job, sm90=True))
     return list(variants)
 
 

@@ -81,6 +81,30 @@ class Job:
     quack: bool = True  # consumer.expert_gemms: quack-kernels may serve the experts (auto)
     fp8: str = "auto"  # model.fp8: an FP8 checkpoint computes in FP8 (auto) or is dequantized
 
+    @classmethod
+    def for_settings(
+        cls, settings, *, tp_rank: int, workers: int, model_path: str | None = None
+    ) -> Job:
+        """The job of a consumer with `settings` on TP rank `tp_rank`; `model_path`: the
+        folder of the model's config.json (default: `model.path`)."""
+        c = settings.consumer
+        if model_path is None and settings.model.path is not None:
+            model_path = str(settings.model.path)
+        return cls(
+            model_path=model_path,
+            tp=settings.parallel.tp,
+            tp_rank=tp_rank,
+            dtype=settings.model.dtype,
+            max_top_k=settings.queue.max_top_k,
+            max_sample_n=settings.queue.max_sample_n,
+            token_budget=c.token_budget,
+            full=c.warmup == "full" or c.warmup == "auto",
+            workers=workers,
+            ep=settings.parallel.ep,
+            quack=c.expert_gemms == "auto",
+            fp8=settings.model.fp8,
+        )
+
     def to_json(self) -> str:
         """The job as one JSON argument."""
         return json.dumps(self.__dict__)
@@ -352,20 +376,8 @@ class Precompile:
             return None
         rank, tp = int(environ.get("RANK", "0")), settings.parallel.tp
         workers = worker_count(c.precompile_workers, environ)
-        job = Job(
-            model_path=None if settings.model.path is None else str(settings.model.path),
-            tp=tp,
-            tp_rank=rank % tp,  # megatron's order: TP ranks are the fastest-varying
-            dtype=settings.model.dtype,
-            max_top_k=settings.queue.max_top_k,
-            max_sample_n=settings.queue.max_sample_n,
-            token_budget=c.token_budget,
-            full=c.warmup == "full" or c.warmup == "auto",
-            workers=workers,
-            ep=settings.parallel.ep,
-            quack=c.expert_gemms == "auto",
-            fp8=settings.model.fp8,
-        )
+        # megatron's order: TP ranks are the fastest-varying
+        job = Job.for_settings(settings, tp_rank=rank % tp, workers=workers)
         plan = job.digest()  # reads the model's config.json: once
         if cache is not None and cache.holds(plan):
             log.debug("precompile.skipped", reason="the sealed compile cache holds this plan")
@@ -482,7 +494,6 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     began = time.monotonic()
     import torch
 
-    from consumer.forward import quack_gemm
     from consumer.kernels import launch
 
     if claims is not None:
@@ -490,27 +501,9 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
 
     if not torch.cuda.is_available():
         return 0
-    quack_gemm.allow(job.quack)
     # No set_device: it would create a CUDA context (memory on the GPU the consumer is
     # loading onto); compiling needs the device's capability only, the same for all of a host.
-    spec, fp8 = model_shape(job.model_path, job.fp8)
-    if fp8:  # the load dequantizes where this device or CUDA has no block-scaled FP8 GEMM
-        from consumer.forward.fp8_gemm import platform_problem
-
-        fp8 = platform_problem() is None
-    variants = warmup_plan(
-        spec,
-        tp=job.tp,
-        tp_rank=job.tp_rank,
-        ep=job.ep,
-        dtype=plan_dtype(job.dtype),
-        fp8=fp8,
-        max_top_k=job.max_top_k,
-        max_sample_n=job.max_sample_n,
-        token_budget=job.token_budget,
-        full=job.full,
-        quack=quack_gemm.may_serve(),
-    )
+    variants = job_plan(job)
     failures = 0
     mine = share(variants, job.workers, index)
     ready = time.monotonic()
@@ -534,12 +527,31 @@ def _worker(job: Job, index: int, claims: str | None = None) -> int:
     return 1 if failures else 0
 
 
-def plan_dtype(setting: str) -> Any:
-    """The parameters' dtype on a CUDA device for `model.dtype` = `setting` (auto: bf16)."""
-    import torch
+def job_plan(job: Job, *, sm90: bool = False) -> list[Variant]:
+    """The variants `job`'s warm-up reaches, as this machine's device serves it (asked
+    without a CUDA context: whether quack may serve, whether FP8 GEMMs run), or with `sm90`
+    as an sm90 GPU would, whatever this machine has (a bake, consumer/serve/bake.py)."""
+    from consumer.forward import quack_gemm
+    from consumer.forward.fp8_gemm import cuda_problem, platform_problem
+    from consumer.forward.spec import param_dtype
 
-    dtypes = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    return dtypes.get(setting, torch.float32)
+    quack_gemm.allow(job.quack)
+    spec, fp8 = model_shape(job.model_path, job.fp8)
+    if fp8:  # the load dequantizes where the device or CUDA has no block-scaled FP8 GEMM
+        fp8 = (cuda_problem() if sm90 else platform_problem()) is None
+    return warmup_plan(
+        spec,
+        tp=job.tp,
+        tp_rank=job.tp_rank,
+        ep=job.ep,
+        dtype=param_dtype(job.dtype, "cuda"),
+        fp8=fp8,
+        max_top_k=job.max_top_k,
+        max_sample_n=job.max_sample_n,
+        token_budget=job.token_budget,
+        full=job.full,
+        quack=(job.quack and quack_gemm.installed()) if sm90 else quack_gemm.may_serve(),
+    )
 
 
 def model_shape(path: str | None, fp8: str = "auto") -> tuple[Any, bool]:

@@ -21,6 +21,7 @@ from consumer.forward.graphs import GraphedForward
 from consumer.forward.load_phases import phase, recording
 from consumer.forward.model import TINY, build_model
 from consumer.forward.scoring import Scorer
+from consumer.forward.spec import param_dtype
 from consumer.group.batching import broadcast_text
 from consumer.group.faults import FaultInjector
 from consumer.parallel import ParallelLayout, init_parallel, shutdown
@@ -39,8 +40,6 @@ from shared.storage import ObjectStore
 
 log = structlog.get_logger("teacherq.consumer")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def pick_device(setting: str) -> torch.device:
     """The device this rank computes on."""
@@ -51,9 +50,7 @@ def pick_device(setting: str) -> torch.device:
 
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
     """The parameter dtype: `model.dtype`, where auto is bfloat16 on CUDA, float32 elsewhere."""
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[setting]
+    return param_dtype(setting, device.type)
 
 
 def build_scorer(
