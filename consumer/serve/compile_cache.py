@@ -186,7 +186,7 @@ def problems(path: Path, key: dict[str, str]) -> list[str]:
         f = path / rel
         if not f.is_file():
             found.append(f"{rel}: missing")
-        elif not _matches(f, entry):
+        elif _verified(f, entry) is None:
             found.append(f"{rel}: checksum differs")
     return found
 
@@ -196,13 +196,16 @@ def _entry(path: Path) -> dict[str, object]:
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def _matches(path: Path, entry: dict) -> bool:
-    """Whether the file at `path` has the size and sha256 a manifest `entry` records."""
-    return (
-        path.is_file()
-        and path.stat().st_size == entry.get("size")
-        and _sha256(path) == entry.get("sha256")
-    )
+def _verified(path: Path, entry: dict) -> bytes | None:
+    """The bytes of the file at `path` where they have the size and sha256 a manifest `entry`
+    records, else None (read once: a copy writes the bytes it checked)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) != entry.get("size") or hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        return None
+    return data
 
 
 @dataclass
@@ -244,9 +247,7 @@ class CompileCache:
             return len(files)  # nothing new since the seal this start checked
         entries = {rel: _entry(f) for rel, f in files.items()}
         body = {"key": self.key, "sealed_at": time.time(), "files": entries, "plans": sorted(plans)}
-        tmp = self.path / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
-        os.replace(tmp, self.path / MANIFEST)
+        _write_atomically(self.path / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
         self.state, self.sealed_files, self.plans = "sealed", frozenset(entries), frozenset(plans)
         return len(entries)
 
@@ -384,11 +385,11 @@ def seed(cache: CompileCache, source: Path) -> int:
         src, dst = source / rel, cache.path / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or dst.exists():
             continue
-        if not _matches(src, files[rel]):
+        data = _verified(src, files[rel])
+        if data is None:
             bad.append(rel)
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        data = src.read_bytes()
         _write_atomically(dst, relocated(dst, data) or data)
         copied += 1
     if bad:
