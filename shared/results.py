@@ -105,19 +105,30 @@ def decode_records(
     """`decode_record` over `records` in order (None stays None), the ones whose arrays are in
     object storage fetched and verified on up to READ_THREADS threads at once. An error
     raises as `decode_record`'s would, for the first record (in order) that has one."""
-    bulk = sum(1 for fields in records if fields and record_object(fields))
+    metas = [json.loads(fields[b"meta"]) if fields else None for fields in records]
+
+    def one(fields: dict[bytes, bytes] | None, meta: dict[str, Any] | None):
+        return decode_record(fields, store=store, meta=meta) if fields else None
+
+    bulk = sum(1 for meta in metas if meta and meta.get("object"))
     if bulk < 2:
-        return [decode_record(f, store=store) if f else None for f in records]
+        return [one(f, m) for f, m in zip(records, metas, strict=True)]
     with ThreadPoolExecutor(min(READ_THREADS, bulk), thread_name_prefix="tq-read") as pool:
-        return list(pool.map(lambda f: decode_record(f, store=store) if f else None, records))
+        return list(pool.map(one, records, metas))
 
 
 def decode_record(
-    fields: dict[bytes, bytes], *, store: ObjectStore | None, blob: bytes | None = None
+    fields: dict[bytes, bytes],
+    *,
+    store: ObjectStore | None,
+    blob: bytes | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> TeacherResult:
     """A TeacherResult from hash fields, fetching (and verifying) bulk arrays if needed.
-    `blob`: the record's object, already fetched and verified by the caller."""
-    meta = json.loads(fields[b"meta"])
+    `blob`: the record's object, already fetched and verified by the caller; `meta`: its
+    `meta` field, already parsed by the caller."""
+    if meta is None:
+        meta = json.loads(fields[b"meta"])
     result = TeacherResult(
         job_id=meta["job_id"],
         model_version=meta.get("model_version", ""),
