@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
 from bench.gpu_common import (  # noqa: E402 - no torch at import
     FRONTIER,
-    child_pythonpath,
+    child_env,
     frontier,
     transformers_config,
 )
@@ -256,11 +256,8 @@ class Consumer:
     def __init__(
         self, settings, log_path: Path, cwd: Path, extra_env: dict[str, str] | None = None
     ) -> None:
-        from shared.settings import to_env
-
         self.log_path = log_path
-        env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath(),
-               **(extra_env or {})}  # fmt: skip
+        env = {**child_env(settings), **(extra_env or {})}
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "consumer"],
@@ -329,9 +326,7 @@ def measure_starts(settings, run: Path, model: Path, args: argparse.Namespace, r
 def bake(settings, model: Path, out: Path, log_path: Path) -> float:
     """`python -m consumer.serve.bake` for the consumers' `settings` and `model`'s config.json
     into `out` (its output into `log_path`); its seconds."""
-    from shared.settings import to_env
-
-    env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath()}
+    env = child_env(settings)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         command = [sys.executable, "-m", "consumer.serve.bake", str(out), "--config", str(model)]

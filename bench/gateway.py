@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -38,10 +37,10 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_common import child_pythonpath  # noqa: E402 - repo on path
+from bench.gpu_common import child_env  # noqa: E402 - repo on path
 from producer.aio import AsyncTeacherClient  # noqa: E402 - repo on path
 from shared.messages import TeacherRequest  # noqa: E402 - repo on path
-from shared.settings import Settings, to_env  # noqa: E402 - repo on path
+from shared.settings import Settings  # noqa: E402 - repo on path
 from tests.conftest import wait_for_consumers  # noqa: E402 - repo on path
 from tests.gateway import launch_gateway  # noqa: E402 - repo on path
 from tests.processes import Valkey, stop_all  # noqa: E402 - repo on path
@@ -219,7 +218,7 @@ def main() -> None:
         gateway={} if args.coalesce_ms is None else {"coalesce_ms": args.coalesce_ms},
         log={"format": "json", "level": "warning"},
     )
-    env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath()}
+    env = child_env(settings)
     log = open(tmp / "consumer.log", "w")  # noqa: SIM115 - kept open for the process
     consumer = subprocess.Popen(
         [sys.executable, "-m", "consumer"], env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT

@@ -209,6 +209,14 @@ def versions() -> dict:
     return out
 
 
+def child_env(settings) -> dict[str, str]:
+    """The environment of a process a bench starts for `settings` (a consumer, a bake): this
+    one's, the settings as TEACHERQ_* variables, and `child_pythonpath`."""
+    from shared.settings import to_env
+
+    return {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath()}
+
+
 def child_pythonpath() -> str:
     """PYTHONPATH for a process a bench starts (a consumer): this checkout first, then the
     caller's own path, which may hold the dependencies (a `pip install --target` folder on a

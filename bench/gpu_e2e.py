@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -95,7 +94,7 @@ from bench.gpu_common import (  # noqa: E402 - the repository is on the path fro
     SAMPLES,
     TOP_K,
     active_flops,
-    child_pythonpath,
+    child_env,
     frontier,
     padded_batches,
     padded_tensors,
@@ -1021,7 +1020,7 @@ def run_e2e(
     from producer import TeacherClient
     from shared.messages import TeacherRequest
     from shared.redis_server import ensure_embedded, stop_embedded
-    from shared.settings import Settings, to_env
+    from shared.settings import Settings
 
     overrides = None if overrides is None else dict(overrides)
     fp8 = bool(overrides and overrides.pop("fp8", 0))  # the model's linears in FP8
@@ -1046,7 +1045,7 @@ def run_e2e(
         )
         out_json = tmp / f"consumer-{model}.json"
         log_path = tmp / f"consumer-{model}.log"
-        env = {**os.environ, **to_env(settings), "PYTHONPATH": child_pythonpath()}
+        env = child_env(settings)
         cmd = _child_args(args, "consumer", model) + ["--out", str(out_json)]
         cmd += [] if overrides is None else ["--no-direct"]
         cmd += ["--fp8"] if fp8 else []
